@@ -1,0 +1,103 @@
+"""The Celery app: `celery -A proj worker|beat|flower`.
+
+Steps are tasks named `<kind>.v<version>.<step>` on the queue `<kind>.v<version>`; a worker
+registers and consumes only the versions it serves (`ENGINE_SERVE`, default current+previous).
+Engine housekeeping (`engine.sweep`, `outbox.dispatch`) travels on the `engine` queue.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from celery import Celery, signals
+from kombu import Queue
+
+from proj import db
+from proj.settings import get_settings
+
+log = logging.getLogger(__name__)
+settings = get_settings()
+
+app = Celery("proj")
+app.conf.update(
+    broker_url=settings.broker_url,
+    broker_connection_retry_on_startup=True,
+    broker_transport_options={"visibility_timeout": 3600},
+    result_backend=None,
+    task_ignore_result=True,
+    task_acks_late=False,  # Postgres, not the broker, recovers lost work
+    worker_prefetch_multiplier=1,
+    task_default_queue="engine",
+    task_create_missing_queues=True,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    worker_concurrency=settings.worker_concurrency,
+    timezone="UTC",
+    beat_schedule={
+        "engine-sweep": {
+            "task": "engine.sweep",
+            "schedule": settings.sweep_interval_s,
+            "options": {"queue": "engine", "expires": max(5.0, settings.sweep_interval_s * 5)},
+        },
+    },
+)
+
+
+def load_kinds() -> None:
+    """Import every module that declares kinds (the service's, plus `ENGINE_EXTRA_KINDS`)."""
+    importlib.import_module("proj.kinds")
+    for module in filter(None, (m.strip() for m in settings.engine_extra_kinds.split(","))):
+        importlib.import_module(module)
+
+
+def register_step_tasks() -> None:
+    """Register one Celery task per served step, and consume only the served version queues."""
+    from proj.engine import protocol
+    from proj.engine.kind import served_kinds
+
+    queues = [Queue("engine")]
+    for kind in served_kinds(settings.engine_serve):
+        queues.append(Queue(kind.queue))
+        for step_name in kind.step_names():
+            name = kind.task_name(step_name)
+            if name in app.tasks:
+                continue
+
+            def run_step(step_id: int) -> str:
+                return protocol.execute(int(step_id))
+
+            app.task(name=name, ignore_result=True)(run_step)
+    app.conf.task_queues = queues
+
+
+@app.task(name="engine.sweep", ignore_result=True)
+def sweep_task() -> dict[str, object]:
+    """Beat-driven recovery; see `proj.engine.sweeper`."""
+    from proj.engine.sweeper import sweep
+
+    return sweep().__dict__
+
+
+@signals.worker_process_init.connect
+def _child_init(**_: object) -> None:
+    db.reset_after_fork()
+
+
+@signals.worker_init.connect
+def _preflight(**_: object) -> None:
+    """Refuse to start on a stale schema or an impossible connection budget."""
+    from proj.engine.preflight import check_connection_budget, check_schema
+
+    try:
+        check_schema()
+        check_connection_budget()
+    except Exception as exc:
+        log.critical("worker refuses to start: %s", exc)
+        raise SystemExit(f"worker refuses to start: {exc}") from exc
+    finally:
+        db.dispose()
+
+
+load_kinds()
+register_step_tasks()

@@ -1,0 +1,103 @@
+"""`CeleryTaskEngine`: the `TaskEngine` port on Celery (execution) and Postgres (truth)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from proj.engine import runs
+from proj.engine.port import TaskRunRef, TaskRunView
+
+
+class CeleryTaskEngine:
+    """Implements `proj.engine.port.TaskEngine`.
+
+    `start()` runs an in-process worker (thread pool) and, with the `beat` role, the sweeper
+    loop — what the demo and embedded users need. Production runs `celery -A proj worker` and
+    `celery -A proj beat` instead; the behaviour is the same.
+    """
+
+    def __init__(self) -> None:
+        self._worker: Any = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+
+    def enqueue(
+        self,
+        kind: str,
+        input: Mapping[str, Any],
+        *,
+        idempotency_key: str,
+        available_at: datetime | None = None,
+        priority: int = 0,
+    ) -> TaskRunRef:
+        return runs.enqueue(
+            kind,
+            input,
+            idempotency_key=idempotency_key,
+            available_at=available_at,
+            priority=priority,
+        )
+
+    def signal(self, topic: str, payload: Any = None) -> int:
+        return runs.signal(topic, payload)
+
+    def cancel(self, task_run_id: UUID, reason: str) -> None:
+        runs.cancel(task_run_id, reason)
+
+    def get(self, task_run_id: UUID) -> TaskRunView | None:
+        return runs.get(task_run_id)
+
+    def start(self, *, roles: Sequence[str] = ("worker",), concurrency: int = 2) -> None:
+        """Run a worker (`worker`) and/or the periodic sweeper (`beat`) in this process."""
+        from proj.celery import app
+        from proj.engine.preflight import check_connection_budget, check_schema
+
+        check_schema()
+        check_connection_budget()
+        self._stopping.clear()
+        if "worker" in roles:
+            ready = threading.Event()
+            worker = app.WorkController(
+                pool_cls="threads",
+                concurrency=concurrency,
+                loglevel="WARNING",
+                without_heartbeat=True,
+                without_mingle=True,
+                without_gossip=True,
+                ready_callback=lambda *_: ready.set(),
+            )
+            self._worker = worker
+            t = threading.Thread(target=worker.start, name="engine-worker", daemon=True)
+            t.start()
+            self._threads.append(t)
+            if not ready.wait(30):
+                raise RuntimeError("in-process worker did not become ready in 30 s")
+        if "beat" in roles:
+            t = threading.Thread(target=self._beat_loop, name="engine-beat", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _beat_loop(self) -> None:
+        from proj.engine.sweeper import sweep
+        from proj.settings import get_settings
+
+        while not self._stopping.is_set():
+            try:
+                sweep()
+            except Exception:  # keep sweeping; the next tick retries
+                time.sleep(1)
+            self._stopping.wait(get_settings().sweep_interval_s)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._worker is not None:
+            self._worker.stop(in_sighandler=False)
+            self._worker = None
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads.clear()

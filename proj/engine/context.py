@@ -1,0 +1,148 @@
+"""What a step body sees: its input, earlier results, its lease and the run's cancel flag."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine.errors import CancelRequested, LeaseLost
+from proj.engine.heartbeat import Lease
+from proj.engine.kind import Kind
+from proj.settings import get_settings
+
+_FENCE = text(
+    """
+    UPDATE engine.step SET lease_until = now() + make_interval(secs => :ttl)
+     WHERE id = :id AND lease_token = :tok AND status = 'running'
+ RETURNING id
+    """
+)
+_CANCELLED = text("SELECT cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = :id")
+_PROGRESS = text(
+    "UPDATE engine.step SET progress = CAST(:p AS jsonb) WHERE id = :id AND lease_token = :tok"
+)
+
+
+def load_results(session: Session, run_id: uuid.UUID, kind: Kind) -> dict[str, Any]:
+    """Committed results by step name; a fan-out step gives the list in item order."""
+    rows = session.execute(
+        text(
+            "SELECT stage, name, result FROM engine.step WHERE run_id = :id "
+            "AND status = 'succeeded' ORDER BY stage, item_index"
+        ),
+        {"id": run_id},
+    ).all()
+    out: dict[str, Any] = {}
+    for stage, name, result in rows:
+        if stage < len(kind.canvas) and kind.canvas[stage].over is not None:
+            out.setdefault(name, []).append(result)
+        else:
+            out[name] = result
+    return out
+
+
+@dataclass
+class PlanContext:
+    """What fan-out `over`, wait topics and timers may read: the input and earlier results."""
+
+    run_id: uuid.UUID
+    kind: Kind
+    raw_input: dict[str, Any]
+    _results: dict[str, Any] | None = None
+    _session: Session | None = None
+    _input: BaseModel | None = None
+
+    @property
+    def input(self) -> Any:
+        if self._input is None:
+            self._input = self.kind.input_model.model_validate(self.raw_input)
+        return self._input
+
+    def result(self, step_name: str) -> Any:
+        """The committed result of an earlier step (a list for a fan-out step)."""
+        if self._results is None:
+            if self._session is not None:
+                self._results = load_results(self._session, self.run_id, self.kind)
+            else:
+                with db.transaction() as s:
+                    self._results = load_results(s, self.run_id, self.kind)
+        if step_name not in self._results:
+            raise KeyError(f"step {step_name!r} has no committed result in run {self.run_id}")
+        return self._results[step_name]
+
+
+@dataclass
+class StepContext(PlanContext):
+    """The context of one attempt. Business writes go through `fenced()`."""
+
+    step_id: int = 0
+    step: str = ""
+    stage: int = 0
+    attempt: int = 0
+    item: Any = None
+    item_index: int = 0
+    lease: Lease | None = None
+    _cancel_checked_at: float = field(default=0.0)
+    _cancel_cached: bool = False
+
+    @property
+    def token(self) -> uuid.UUID:
+        assert self.lease is not None
+        return self.lease.token
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once the heartbeat saw another attempt take the lease: stop, do not commit."""
+        return self.lease is not None and self.lease.lost.is_set()
+
+    def cancel_requested(self) -> bool:
+        """True when the run was asked to stop. Cheap enough to call per chunk."""
+        if self._cancel_cached or (self.lease is not None and self.lease.cancel.is_set()):
+            return True
+        now = time.monotonic()
+        if now - self._cancel_checked_at >= 0.2:
+            self._cancel_checked_at = now
+            with db.transaction() as s:
+                self._cancel_cached = bool(s.scalar(_CANCELLED, {"id": self.run_id}))
+        return self._cancel_cached
+
+    def checkpoint(self) -> None:
+        """Raise `LeaseLost` or `CancelRequested` if the body should stop now."""
+        if self.lease_lost:
+            raise LeaseLost(f"step {self.step_id} lost its lease")
+        if self.cancel_requested():
+            raise CancelRequested(f"run {self.run_id} was canceled")
+
+    @contextmanager
+    def fenced(self) -> Iterator[Session]:
+        """A transaction that only commits while this attempt still holds the lease.
+
+        The fence row lock is held to commit, so the sweeper cannot hand the step to another
+        worker in between.
+        """
+        with db.transaction() as s:
+            fence = s.execute(
+                _FENCE, {"ttl": get_settings().lease_ttl_s, "id": self.step_id, "tok": self.token}
+            ).first()
+            if fence is None:
+                if self.lease is not None:
+                    self.lease.lost.set()
+                raise LeaseLost(f"step {self.step_id}: lease lost, commit refused")
+            yield s
+
+    def report_progress(self, done: float, total: float, message: str | None = None) -> None:
+        """Live progress for operators (copy %, download %); best effort, never fenced."""
+        import json
+
+        payload = {"done": done, "total": total, "message": message, "at": time.time()}
+        with db.transaction() as s:
+            s.execute(_PROGRESS, {"p": json.dumps(payload), "id": self.step_id, "tok": self.token})

@@ -1,0 +1,81 @@
+"""Publishing step messages. A message is a hint that names a step row; losing one is harmless
+because the sweeper re-sends whatever Postgres says is due and unpublished."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import text
+
+from proj import db
+from proj.engine.kind import queue_name, task_name
+
+log = logging.getLogger(__name__)
+
+# Fail fast when the broker is down: the sweeper is the retry loop, not the caller.
+PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.0, "interval_step": 0.2, "interval_max": 0.5}
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One message to send: the step row id, its task name and its version queue."""
+
+    step_id: int
+    task_name: str
+    queue: str
+    priority: int = 0
+
+
+def step_dispatch(step_id: int, kind: str, version: int, step: str, priority: int = 0) -> Dispatch:
+    """The message for a step row, computed from names only (no need to serve that version)."""
+    return Dispatch(step_id, task_name(kind, version, step), queue_name(kind, version), priority)
+
+
+def _app():  # imported lazily: the Celery app imports the kinds, which import the engine
+    from proj.celery import app
+
+    return app
+
+
+def publish(items: Sequence[Dispatch]) -> list[Dispatch]:
+    """Send the messages; return the ones that could not be sent."""
+    if not items:
+        return []
+    app = _app()
+    failed: list[Dispatch] = []
+    try:
+        with app.producer_or_acquire() as producer:
+            for d in items:
+                try:
+                    app.send_task(
+                        d.task_name,
+                        args=(d.step_id,),
+                        queue=d.queue,
+                        producer=producer,
+                        retry=True,
+                        retry_policy=PUBLISH_RETRY,
+                    )
+                except Exception as exc:
+                    log.warning("publish of step %s failed: %s", d.step_id, exc)
+                    failed.append(d)
+    except Exception as exc:  # no producer at all (broker unreachable)
+        log.warning("broker unavailable, %d step(s) left to the sweeper: %s", len(items), exc)
+        done = {d.step_id for d in failed}
+        failed.extend(d for d in items if d.step_id not in done)
+    return failed
+
+
+def publish_after_commit(items: Sequence[Dispatch]) -> None:
+    """Publish; mark what failed as unpublished so the next sweep sends it at once."""
+    failed = publish(items)
+    if failed:
+        try:
+            with db.transaction() as s:
+                s.execute(
+                    text("UPDATE engine.step SET published_at = NULL WHERE id = ANY(:ids)"),
+                    {"ids": [d.step_id for d in failed]},
+                )
+        except Exception as exc:  # then `republish_after_s` covers it
+            log.warning("could not mark %d step(s) unpublished: %s", len(failed), exc)

@@ -1,0 +1,116 @@
+"""One heartbeat thread per process keeps every running step's lease alive.
+
+It also reports back what only the database knows: a lease that was taken over (the attempt is
+stale and must not commit) and a cancel request on the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from sqlalchemy import text
+
+from proj import db
+from proj.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+_RENEW = text(
+    """
+    UPDATE engine.step s
+       SET lease_until = now() + make_interval(secs => :ttl)
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:toks AS uuid[])) AS l(id, tok)
+     WHERE s.id = l.id AND s.lease_token = l.tok AND s.status = 'running'
+ RETURNING s.id,
+           (SELECT r.cancel_requested_at IS NOT NULL FROM engine.task_run r WHERE r.id = s.run_id)
+    """
+)
+
+
+@dataclass
+class Lease:
+    """What a running attempt knows about its lease; flags are set by the heartbeat thread."""
+
+    step_id: int
+    token: uuid.UUID
+    lost: threading.Event = field(default_factory=threading.Event)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class Heartbeat:
+    """Renews the leases of this process' running steps every `lease_ttl / 3` seconds."""
+
+    def __init__(self) -> None:
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._wake = threading.Event()
+
+    @contextmanager
+    def track(self, step_id: int, token: uuid.UUID) -> Iterator[Lease]:
+        """Keep the lease alive while the body runs."""
+        lease = Lease(step_id, token)
+        self._ensure_thread()
+        with self._lock:
+            self._leases[step_id] = lease
+        try:
+            yield lease
+        finally:
+            with self._lock:
+                self._leases.pop(step_id, None)
+
+    def _ensure_thread(self) -> None:
+        # A forked child inherits the object but not the thread: start one per pid.
+        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+            return
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._leases = {}
+                self._thread = threading.Thread(
+                    target=self._loop, name="lease-heartbeat", daemon=True
+                )
+                self._thread.start()
+
+    def interval(self) -> float:
+        return max(0.2, min(5.0, get_settings().lease_ttl_s / 3.0))
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self.interval())
+            self._wake.clear()
+            with self._lock:
+                leases = list(self._leases.values())
+            if leases:
+                try:
+                    self.renew(leases)
+                except Exception as exc:  # the fence still protects commits
+                    log.warning("lease heartbeat failed: %s", exc)
+
+    def renew(self, leases: list[Lease]) -> None:
+        """Extend all leases in one statement; a missing row means the lease is gone."""
+        with db.transaction() as s:
+            rows = s.execute(
+                _RENEW,
+                {
+                    "ttl": get_settings().lease_ttl_s,
+                    "ids": [lease.step_id for lease in leases],
+                    "toks": [lease.token for lease in leases],
+                },
+            ).all()
+        alive = {row[0]: bool(row[1]) for row in rows}
+        for lease in leases:
+            if lease.step_id not in alive:
+                lease.lost.set()
+            elif alive[lease.step_id]:
+                lease.cancel.set()
+
+
+HEARTBEAT = Heartbeat()

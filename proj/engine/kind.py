@@ -1,0 +1,249 @@
+"""Declaring a kind: name, version, retry policy, input model and a canvas of stages.
+
+A kind is declared once per version; each step becomes the Celery task `<kind>.v<version>.<step>`
+on the queue `<kind>.v<version>`, so only workers that serve that version ever see it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from proj.engine.errors import UnknownKind
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from proj.engine.context import PlanContext, StepContext
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Explicit per kind (invariant 9): attempts and exponential backoff with jitter."""
+
+    max_attempts: int
+    initial_s: float = 1.0
+    max_s: float = 60.0
+    multiplier: float = 2.0
+    jitter: float = 0.25
+
+    def backoff(self, attempt: int) -> float:
+        """Delay before attempt `attempt + 1`, after `attempt` failures (1-based)."""
+        base = min(self.max_s, self.initial_s * self.multiplier ** max(0, attempt - 1))
+        spread = base * self.jitter
+        return max(0.0, min(self.max_s, base + random.uniform(-spread, spread)))
+
+    @classmethod
+    def network(cls) -> RetryPolicy:
+        """Network side effects: 5 attempts, 1 s → 60 s."""
+        return cls(max_attempts=5, initial_s=1.0, max_s=60.0)
+
+    @classmethod
+    def file(cls) -> RetryPolicy:
+        """File side effects: 3 attempts."""
+        return cls(max_attempts=3, initial_s=1.0, max_s=60.0)
+
+    @classmethod
+    def db(cls) -> RetryPolicy:
+        """Database-only work."""
+        return cls(max_attempts=5, initial_s=0.5, max_s=30.0)
+
+
+StepFn = Callable[["StepContext"], Any]
+CheckFn = Callable[["StepContext"], Any]
+
+
+@dataclass(frozen=True)
+class WaitSpec:
+    """A wait: `check` reads the business tables; `topic` wakes it early; `timeout_s` re-checks."""
+
+    topic: Callable[[PlanContext], str]
+    timeout_s: float | Callable[[PlanContext], float]
+    check: CheckFn | None = None
+    until: Callable[[PlanContext], datetime] | None = None
+
+
+@dataclass(frozen=True)
+class StepDef:
+    """One named step. `retry` overrides the kind's policy for this step."""
+
+    name: str
+    fn: StepFn | None
+    retry: RetryPolicy | None = None
+    wait: WaitSpec | None = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A position in the chain: one step, a static group, or a fan-out of one step over items."""
+
+    steps: tuple[StepDef, ...]
+    over: Callable[[PlanContext], Sequence[Any]] | None = None
+
+    @property
+    def label(self) -> str:
+        names = ",".join(s.name for s in self.steps)
+        if self.over is not None:
+            return f"map({names})"
+        return names if len(self.steps) == 1 else f"group({names})"
+
+
+def step(name: str, fn: StepFn, *, retry: RetryPolicy | None = None) -> Stage:
+    """A single step in the chain."""
+    return Stage(steps=(StepDef(name, fn, retry),))
+
+
+def group(*stages: Stage) -> Stage:
+    """Run several single steps in parallel; the chain continues when all have committed."""
+    steps: list[StepDef] = []
+    for s in stages:
+        if s.over is not None or len(s.steps) != 1 or s.steps[0].wait is not None:
+            raise ValueError("group() takes single steps")
+        steps.append(s.steps[0])
+    return Stage(steps=tuple(steps))
+
+
+def fan_out(
+    name: str,
+    fn: StepFn,
+    *,
+    over: Callable[[PlanContext], Sequence[Any]],
+    retry: RetryPolicy | None = None,
+) -> Stage:
+    """Run `fn` once per item of `over(ctx)`; the fan-in is counted in Postgres, not a chord."""
+    return Stage(steps=(StepDef(name, fn, retry),), over=over)
+
+
+def wait_for(
+    name: str,
+    *,
+    topic: Callable[[PlanContext], str],
+    timeout_s: float | Callable[[PlanContext], float],
+    check: CheckFn | None = None,
+) -> Stage:
+    """Park until `check` holds (re-checked on each signal of `topic` and every `timeout_s`).
+
+    Without `check`, the wait is satisfied by any stored signal of `topic` sent after the run
+    was created; its payload becomes the step's result.
+    """
+    return Stage(steps=(StepDef(name, None, None, WaitSpec(topic, timeout_s, check)),))
+
+
+def sleep_until(name: str, *, until: Callable[[PlanContext], datetime]) -> Stage:
+    """Durable sleep: the timer lives in Postgres, the worker slot is freed meanwhile."""
+    spec = WaitSpec(topic=lambda ctx: f"sleep:{ctx.run_id}", timeout_s=0.0, until=until)
+    return Stage(steps=(StepDef(name, None, None, spec),))
+
+
+def queue_name(kind: str, version: int) -> str:
+    """The queue of one kind version: only workers serving it consume it (invariant 10)."""
+    return f"{kind}.v{version}"
+
+
+def task_name(kind: str, version: int, step_name: str) -> str:
+    """The Celery task name of a step, as Flower shows it."""
+    return f"{kind}.v{version}.{step_name}"
+
+
+CancelHook = Callable[["Session", Any, Any], None]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A declared kind at one version. Equal name + version must mean equal step names."""
+
+    name: str
+    version: int
+    retry: RetryPolicy
+    input_model: type[BaseModel]
+    canvas: tuple[Stage, ...]
+    on_cancel: CancelHook | None = None
+    compensation: str | None = None
+    compensation_input: Callable[[Any, Any], Mapping[str, Any]] | None = None
+    concurrency_key: Callable[[Any], str | None] | None = None
+    concurrency_limit: int | None = None
+    global_limit: int | None = None
+    description: str = ""
+    _by_name: dict[str, StepDef] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.canvas:
+            raise ValueError(f"kind {self.name} has no steps")
+        for stage in self.canvas:
+            for s in stage.steps:
+                if s.name in self._by_name:
+                    raise ValueError(f"kind {self.name}@{self.version}: duplicate step {s.name}")
+                if not s.name.replace("_", "").isalnum():
+                    raise ValueError(f"step name {s.name!r} must be alphanumeric/underscore")
+                self._by_name[s.name] = s
+
+    @property
+    def queue(self) -> str:
+        return queue_name(self.name, self.version)
+
+    def task_name(self, step_name: str) -> str:
+        return task_name(self.name, self.version, step_name)
+
+    def step_names(self) -> list[str]:
+        return [s.name for stage in self.canvas for s in stage.steps]
+
+    def step_def(self, name: str) -> StepDef:
+        return self._by_name[name]
+
+    def policy_for(self, step_def: StepDef) -> RetryPolicy:
+        return step_def.retry or self.retry
+
+
+_REGISTRY: dict[tuple[str, int], Kind] = {}
+
+
+def register(kind: Kind) -> Kind:
+    """Add a kind version to the process registry (idempotent for the same object)."""
+    key = (kind.name, kind.version)
+    existing = _REGISTRY.get(key)
+    if existing is not None and existing is not kind and existing.step_names() != kind.step_names():
+        raise ValueError(f"{kind.name}@{kind.version} declared twice with different steps")
+    _REGISTRY[key] = kind
+    return kind
+
+
+def get_kind(name: str, version: int | None = None) -> Kind:
+    """The kind at `version`, or its current (highest) version."""
+    if version is not None:
+        kind = _REGISTRY.get((name, version))
+        if kind is None:
+            raise UnknownKind(f"unknown kind {name}@{version}")
+        return kind
+    versions = [v for (n, v) in _REGISTRY if n == name]
+    if not versions:
+        raise UnknownKind(f"unknown kind {name!r}; known: {sorted(kind_names())}")
+    return _REGISTRY[(name, max(versions))]
+
+
+def kind_names() -> set[str]:
+    return {n for (n, _) in _REGISTRY}
+
+
+def all_kinds() -> list[Kind]:
+    return sorted(_REGISTRY.values(), key=lambda k: (k.name, k.version))
+
+
+def served_kinds(spec: str = "") -> list[Kind]:
+    """Kinds this worker serves: the `ENGINE_SERVE` list, or each kind's current and previous."""
+    if spec.strip():
+        wanted: Iterable[tuple[str, int]] = (
+            (part.split("@")[0].strip(), int(part.split("@")[1]))
+            for part in spec.split(",")
+            if part.strip()
+        )
+        return [get_kind(n, v) for n, v in wanted]
+    out: list[Kind] = []
+    for name in sorted(kind_names()):
+        versions = sorted((v for (n, v) in _REGISTRY if n == name), reverse=True)
+        out.extend(_REGISTRY[(name, v)] for v in versions[:2])
+    return out

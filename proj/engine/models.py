@@ -1,0 +1,155 @@
+"""Engine tables (schema `engine`): the durable truth of runs, steps, attempts and signals.
+
+Celery messages only point at a `step` row; everything that matters lives here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA = "engine"
+
+RUN_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "canceled")
+STEP_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "canceled")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(schema=SCHEMA)
+
+
+class TaskRun(Base):
+    """One run of a kind at a fixed version; `(kind, idempotency_key)` is unique forever."""
+
+    __tablename__ = "task_run"
+    __table_args__ = (
+        UniqueConstraint("kind", "idempotency_key", name="task_run_kind_key"),
+        Index("task_run_status_idx", "kind", "version", "status"),
+        Index(
+            "task_run_cancel_idx",
+            "cancel_requested_at",
+            postgresql_where=text(
+                "cancel_requested_at IS NOT NULL AND status IN ('pending','running','waiting')"
+            ),
+        ),
+        Index(
+            "task_run_concurrency_idx",
+            "concurrency_key",
+            postgresql_where=text(
+                "concurrency_key IS NOT NULL AND status IN ('pending','running','waiting')"
+            ),
+        ),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    kind: Mapped[str] = mapped_column(Text)
+    version: Mapped[int] = mapped_column(Integer)
+    idempotency_key: Mapped[str] = mapped_column(Text)
+    input: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    input_hash: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    current_stage: Mapped[int] = mapped_column(Integer, server_default="0")
+    current_step: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    last_error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    priority: Mapped[int] = mapped_column(Integer, server_default="0")
+    concurrency_key: Mapped[str | None] = mapped_column(Text)
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancel_reason: Mapped[str | None] = mapped_column(Text)
+    trace: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    available_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Step(Base):
+    """One step (or one fan-out item) of a run: its lease, attempts, result and timers."""
+
+    __tablename__ = "step"
+    __table_args__ = (
+        UniqueConstraint("run_id", "stage", "item_index", name="step_run_stage_item"),
+        Index("step_due_idx", "next_attempt_at", postgresql_where=text("status = 'pending'")),
+        Index("step_lease_idx", "lease_until", postgresql_where=text("status = 'running'")),
+        Index("step_wait_until_idx", "wait_until", postgresql_where=text("status = 'waiting'")),
+        Index("step_wait_topic_idx", "wait_topic", postgresql_where=text("status = 'waiting'")),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("engine.task_run.id", ondelete="CASCADE")
+    )
+    stage: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(Text)
+    item_index: Mapped[int] = mapped_column(Integer, server_default="0")
+    item: Mapped[Any | None] = mapped_column(JSONB)
+    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    next_attempt_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_token: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_owner: Mapped[str | None] = mapped_column(Text)
+    wait_topic: Mapped[str | None] = mapped_column(Text)
+    wait_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    wait_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    wakeups: Mapped[int] = mapped_column(Integer, server_default="0")
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class StepAttempt(Base):
+    """Audit log of claims. Holds orphans (a killed worker never closes its row): never a timeline."""
+
+    __tablename__ = "step_attempt"
+    __table_args__ = (Index("step_attempt_step_idx", "step_id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    step_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("engine.step.id", ondelete="CASCADE")
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    lease_token: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
+    worker: Mapped[str | None] = mapped_column(Text)
+    outcome: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TaskSignal(Base):
+    """Stored signals: one sent before anyone waits is still seen by the wait."""
+
+    __tablename__ = "task_signal"
+    __table_args__ = (Index("task_signal_topic_idx", "topic", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(Text)
+    payload: Mapped[Any | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())

@@ -1,0 +1,65 @@
+"""The `TaskEngine` port: the only thing business code knows about running work (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, Protocol
+from uuid import UUID
+
+RunStatus = Literal["pending", "running", "waiting", "succeeded", "failed", "canceled"]
+
+
+@dataclass(frozen=True)
+class TaskRunRef:
+    """What `enqueue` returns. `created` is False when the key already named a run."""
+
+    task_run_id: UUID
+    created: bool = True
+
+
+@dataclass(frozen=True)
+class TaskRunView:
+    """Read-only projection of a run for callers and operators."""
+
+    id: UUID
+    kind: str
+    version: int
+    status: RunStatus
+    current_step: str | None
+    attempts: int
+    last_error: Mapping[str, Any] | None
+    result: Any
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    cancel_requested: bool
+    wait_topic: str | None = None
+    wait_until: datetime | None = None
+    pending_reason: str | None = None
+
+
+class TaskEngine(Protocol):
+    """Durable execution of declared kinds. Implementations: `proj.engine.celery_engine`."""
+
+    def enqueue(
+        self,
+        kind: str,
+        input: Mapping[str, Any],
+        *,
+        idempotency_key: str,
+        available_at: datetime | None = None,
+        priority: int = 0,
+    ) -> TaskRunRef: ...
+
+    def signal(self, topic: str, payload: Any = None) -> int: ...
+
+    def cancel(self, task_run_id: UUID, reason: str) -> None: ...
+
+    def get(self, task_run_id: UUID) -> TaskRunView | None: ...
+
+    def start(self, *, roles: Sequence[str] = ("worker",), concurrency: int = 2) -> None: ...
+
+    def stop(self) -> None: ...

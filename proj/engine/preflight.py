@@ -1,0 +1,96 @@
+"""Start-up checks: the schema is current and the connection budget fits (invariant 12).
+
+Workers never migrate; they refuse to start with a message that says what to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import text
+
+from proj import db
+from proj.engine.errors import ConnectionBudgetExceeded, SchemaBehind
+from proj.settings import Settings, get_settings
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def alembic_config(url: str | None = None) -> Config:
+    """Alembic configuration pointing at the repository's `migrations/`."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def head_revision() -> str:
+    return str(ScriptDirectory.from_config(alembic_config()).get_current_head())
+
+
+def current_revision() -> str | None:
+    with db.transaction() as s:
+        exists = s.scalar(text("SELECT to_regclass('public.alembic_version') IS NOT NULL"))
+        if not exists:
+            return None
+        return s.scalar(text("SELECT version_num FROM public.alembic_version"))
+
+
+def check_schema() -> None:
+    """Refuse to run on a schema older (or newer) than this code."""
+    head, current = head_revision(), current_revision()
+    if current != head:
+        raise SchemaBehind(
+            f"database schema is at {current or 'nothing'}, this code needs {head}: "
+            "run `proj migrate` (workers never migrate on start)"
+        )
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The worst case of connections this configuration may open, against the server's limit."""
+
+    per_process: int
+    processes: int
+    reserved: int
+    worst_case: int
+    max_connections: int
+
+    @property
+    def fits(self) -> bool:
+        return self.worst_case <= self.max_connections
+
+
+def connection_budget(settings: Settings, max_connections: int, superuser_reserved: int) -> Budget:
+    """Every worker process may fill its pool and overflow; beat/admin/CLI use the reserve."""
+    per_process = settings.db_pool_size + settings.db_max_overflow
+    processes = settings.expected_workers * settings.worker_concurrency
+    worst = per_process * processes + settings.reserved_connections
+    return Budget(
+        per_process,
+        processes,
+        settings.reserved_connections,
+        worst,
+        max_connections - superuser_reserved,
+    )
+
+
+def check_connection_budget(settings: Settings | None = None) -> Budget:
+    """Raise `ConnectionBudgetExceeded` with the arithmetic when the pools could not fit."""
+    settings = settings or get_settings()
+    with db.transaction() as s:
+        max_conn = int(s.scalar(text("SHOW max_connections")))
+        reserved = int(s.scalar(text("SHOW superuser_reserved_connections")))
+    budget = connection_budget(settings, max_conn, reserved)
+    if not budget.fits:
+        raise ConnectionBudgetExceeded(
+            f"worst case {budget.worst_case} connections = {budget.processes} worker processes "
+            f"(EXPECTED_WORKERS x WORKER_CONCURRENCY) x {budget.per_process} "
+            f"(DB_POOL_SIZE + DB_MAX_OVERFLOW) + {budget.reserved} reserved, but Postgres allows "
+            f"{budget.max_connections}: lower the pools or concurrency, or raise max_connections"
+        )
+    return budget

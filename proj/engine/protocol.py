@@ -1,0 +1,567 @@
+"""The step protocol — the one place where steps are claimed, fenced and committed.
+
+Every delivery of a step message goes through `execute()`:
+
+1. **claim**: one `UPDATE … WHERE status='pending' AND due` takes the step with a fresh lease
+   token. A duplicate message, a completed step or a canceled run claims nothing: a no-op.
+2. **heartbeat**: the process heartbeat renews the lease while the body runs.
+3. **body**: the kind's function (or a wait check) runs with a `StepContext`.
+4. **fenced commit**: `UPDATE … WHERE id=? AND lease_token=?`. Zero rows means another attempt
+   took over; the commit is refused and nothing is written. The same transaction advances the run
+   (fan-in counted under the run row lock) and creates the next stage's steps.
+5. **publish**: messages for the new steps are sent after commit; a failure leaves
+   `published_at` NULL so the sweeper sends them (messages are hints, Postgres is the truth).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import traceback
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic_core import to_jsonable_python
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine import dispatch
+from proj.engine.context import PlanContext, StepContext
+from proj.engine.dispatch import Dispatch
+from proj.engine.errors import CancelRequested, LeaseLost, NonRetryable
+from proj.engine.heartbeat import HEARTBEAT
+from proj.engine.kind import Kind, RetryPolicy, WaitSpec, get_kind
+from proj.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("succeeded", "failed", "canceled")
+
+_CLAIM = text(
+    """
+    UPDATE engine.step s
+       SET status = 'running', lease_token = :tok, lease_owner = :owner,
+           lease_until = now() + make_interval(secs => :ttl),
+           attempts = s.attempts + 1, started_at = coalesce(s.started_at, now())
+      FROM engine.task_run r
+     WHERE s.id = :id AND r.id = s.run_id
+       AND s.status = 'pending' AND s.next_attempt_at <= now()
+       AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+ RETURNING s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
+           r.kind, r.version, r.input, r.created_at, now()
+    """
+)
+_RUN_STARTED = text(
+    """
+    UPDATE engine.task_run SET status = 'running', current_step = :name, updated_at = now(),
+           started_at = coalesce(started_at, now())
+     WHERE id = :run AND status IN ('pending', 'waiting')
+    """
+)
+_ATTEMPT = text(
+    "INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker) "
+    "VALUES (:id, :attempt, :tok, :owner)"
+)
+_CLOSE_ATTEMPT = text(
+    "UPDATE engine.step_attempt SET outcome = :outcome, ended_at = now(), "
+    "error = CAST(:error AS jsonb) WHERE step_id = :id AND lease_token = :tok"
+)
+_SUCCEED = text(
+    """
+    UPDATE engine.step SET status = 'succeeded', result = CAST(:result AS jsonb),
+           finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+     WHERE id = :id AND lease_token = :tok AND status = 'running'
+ RETURNING id
+    """
+)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed attempt: everything the body needs, read in the claiming statement."""
+
+    step_id: int
+    run_id: uuid.UUID
+    stage: int
+    name: str
+    item_index: int
+    item: Any
+    attempt: int
+    max_attempts: int
+    kind: str
+    version: int
+    input: dict[str, Any]
+    run_created_at: datetime
+    claimed_at: datetime
+    token: uuid.UUID
+
+
+def worker_id() -> str:
+    """Who holds a lease: host and pid (pids change across prefork children)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def to_json(value: Any) -> str:
+    """Serialise a step result (pydantic models, UUIDs, datetimes included)."""
+    return json.dumps(to_jsonable_python(value))
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """A stored error: type, message and a short traceback for the dead-letter view."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
+    return {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tb[-4000:]}
+
+
+# --------------------------------------------------------------------------------------------
+# claim
+
+
+def claim(step_id: int) -> Claim | None:
+    """Take the step's lease if it is pending, due and its run still wants it."""
+    token = uuid.uuid4()
+    with db.transaction() as s:
+        row = s.execute(
+            _CLAIM,
+            {"id": step_id, "tok": token, "owner": worker_id(), "ttl": get_settings().lease_ttl_s},
+        ).first()
+        if row is None:
+            return None
+        s.execute(_RUN_STARTED, {"run": row.run_id, "name": row.name})
+        s.execute(
+            _ATTEMPT, {"id": step_id, "attempt": row.attempts, "tok": token, "owner": worker_id()}
+        )
+    return Claim(
+        step_id=step_id,
+        run_id=row.run_id,
+        stage=row.stage,
+        name=row.name,
+        item_index=row.item_index,
+        item=row.item,
+        attempt=row.attempts,
+        max_attempts=row.max_attempts,
+        kind=row.kind,
+        version=row.version,
+        input=row.input,
+        run_created_at=row.created_at,
+        claimed_at=row[-1],
+        token=token,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# execute
+
+
+def execute(step_id: int) -> str:
+    """Run one delivery of a step message; returns the outcome (for logs and tests)."""
+    c = claim(step_id)
+    if c is None:
+        return "noop"
+    kind = get_kind(c.kind, c.version)
+    sdef = kind.step_def(c.name)
+    ctx = StepContext(
+        run_id=c.run_id,
+        kind=kind,
+        raw_input=c.input,
+        step_id=c.step_id,
+        step=c.name,
+        stage=c.stage,
+        attempt=c.attempt,
+        item=c.item,
+        item_index=c.item_index,
+    )
+    outcome = "noop"
+    to_publish: list[Dispatch] = []
+    with HEARTBEAT.track(c.step_id, c.token) as lease:
+        ctx.lease = lease
+        try:
+            if sdef.wait is not None:
+                outcome, to_publish = _run_wait(c, ctx, kind, sdef.wait)
+            else:
+                assert sdef.fn is not None
+                result = sdef.fn(ctx)
+                to_publish = commit_success(c, kind, result)
+                outcome = "succeeded"
+        except LeaseLost as exc:
+            log.warning("step %s attempt %s: %s", c.step_id, c.attempt, exc)
+            outcome = "lease_lost"
+        except CancelRequested:
+            outcome, to_publish = _commit_or_refuse(commit_canceled, c)
+        except Exception as exc:
+            policy = kind.policy_for(sdef)
+            outcome, to_publish = _commit_or_refuse(commit_failure, c, policy, exc)
+    dispatch.publish_after_commit(to_publish)
+    return outcome
+
+
+def _commit_or_refuse(fn: Any, *args: Any) -> tuple[str, list[Dispatch]]:
+    try:
+        return fn(*args)
+    except LeaseLost as exc:
+        log.warning("commit refused: %s", exc)
+        return "lease_lost", []
+
+
+# --------------------------------------------------------------------------------------------
+# commits (all fenced by the lease token)
+
+
+def commit_success(c: Claim, kind: Kind, result: Any) -> list[Dispatch]:
+    """Store the result and advance the run, or refuse if the lease is gone."""
+    payload = to_json(result)
+    with db.transaction() as s:
+        if (
+            s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first()
+            is None
+        ):
+            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
+        _close_attempt(s, c, "succeeded")
+        return advance(s, c.run_id)
+
+
+def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[str, list[Dispatch]]:
+    """Schedule the next attempt with backoff, or fail the run when attempts are exhausted."""
+    err = error_payload(exc)
+    final = isinstance(exc, NonRetryable) or c.attempt >= min(c.max_attempts, policy.max_attempts)
+    delay = 0.0 if final else policy.backoff(c.attempt)
+    with db.transaction() as s:
+        row = s.execute(
+            text(
+                """
+                UPDATE engine.step
+                   SET status = CASE WHEN :final THEN 'failed' ELSE 'pending' END,
+                       next_attempt_at = now() + make_interval(secs => :delay),
+                       error = CAST(:err AS jsonb), lease_token = NULL, lease_until = NULL,
+                       published_at = NULL,
+                       finished_at = CASE WHEN :final THEN now() ELSE NULL END
+                 WHERE id = :id AND lease_token = :tok AND status = 'running'
+             RETURNING id
+                """
+            ),
+            {
+                "final": final,
+                "delay": delay,
+                "err": json.dumps(err),
+                "id": c.step_id,
+                "tok": c.token,
+            },
+        ).first()
+        if row is None:
+            raise LeaseLost(
+                f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded"
+            )
+        _close_attempt(s, c, "failed" if final else "retry", err)
+        if final:
+            fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+            return "failed", []
+        s.execute(
+            text(
+                "UPDATE engine.task_run SET last_error = CAST(:err AS jsonb), updated_at = now() "
+                "WHERE id = :run"
+            ),
+            {"err": json.dumps({**err, "step": c.name, "attempts": c.attempt}), "run": c.run_id},
+        )
+    log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
+    return "retry", []
+
+
+def commit_canceled(c: Claim) -> tuple[str, list[Dispatch]]:
+    """The body stopped itself on a cancel request: close the step, then finish the cancel."""
+    with db.transaction() as s:
+        row = s.execute(
+            text(
+                "UPDATE engine.step SET status = 'canceled', lease_token = NULL, lease_until = NULL,"
+                " finished_at = now() WHERE id = :id AND lease_token = :tok AND status = 'running' "
+                "RETURNING id"
+            ),
+            {"id": c.step_id, "tok": c.token},
+        ).first()
+        if row is None:
+            raise LeaseLost(f"step {c.step_id}: lease lost, cancel not recorded")
+        _close_attempt(s, c, "canceled")
+        return "canceled", finalize_cancel(s, c.run_id)
+
+
+def _close_attempt(s: Session, c: Claim, outcome: str, err: dict[str, Any] | None = None) -> None:
+    s.execute(
+        _CLOSE_ATTEMPT,
+        {
+            "outcome": outcome,
+            "error": json.dumps(err) if err else None,
+            "id": c.step_id,
+            "tok": c.token,
+        },
+    )
+
+
+def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> None:
+    """The run becomes a dead letter: `failed` with its error; pending siblings stop."""
+    s.execute(
+        text(
+            "UPDATE engine.task_run SET status = 'failed', last_error = CAST(:err AS jsonb), "
+            "finished_at = now(), updated_at = now() WHERE id = :run AND status NOT IN "
+            "('succeeded', 'failed', 'canceled')"
+        ),
+        {"err": json.dumps(err), "run": run_id},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# advancing the chain
+
+
+def advance(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
+    """After a step committed: if its stage is complete, start the next one or finish the run.
+
+    The run row lock serialises the fan-in, so exactly one committer advances a stage.
+    """
+    run = s.execute(
+        text(
+            "SELECT id, kind, version, input, status, current_stage, cancel_requested_at, priority "
+            "FROM engine.task_run WHERE id = :id FOR UPDATE"
+        ),
+        {"id": run_id},
+    ).first()
+    if run is None or run.status in TERMINAL:
+        return []
+    open_steps = s.scalar(
+        text(
+            "SELECT count(*) FROM engine.step WHERE run_id = :id AND stage = :stage "
+            "AND status <> 'succeeded'"
+        ),
+        {"id": run_id, "stage": run.current_stage},
+    )
+    if open_steps:
+        return []
+    if run.cancel_requested_at is not None:
+        return finalize_cancel(s, run_id)
+    kind = get_kind(run.kind, run.version)
+    plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)
+    stage = run.current_stage + 1
+    while stage < len(kind.canvas):
+        has_steps, created = create_stage(s, run_id, kind, stage, plan, priority=run.priority)
+        if has_steps:
+            return created
+        stage += 1  # an empty fan-out: nothing to wait for
+    last = kind.canvas[-1]
+    result = plan.result(last.steps[-1].name) if len(last.steps) == 1 else None
+    s.execute(
+        text(
+            "UPDATE engine.task_run SET status = 'succeeded', result = CAST(:r AS jsonb), "
+            "current_stage = :stage, current_step = NULL, finished_at = now(), updated_at = now() "
+            "WHERE id = :id"
+        ),
+        {"r": to_json(result), "stage": len(kind.canvas), "id": run_id},
+    )
+    return []
+
+
+def create_stage(
+    s: Session,
+    run_id: uuid.UUID,
+    kind: Kind,
+    stage: int,
+    plan: PlanContext,
+    *,
+    available_at: datetime | None = None,
+    priority: int = 0,
+) -> tuple[bool, list[Dispatch]]:
+    """Insert the step rows of `stage` and point the run at it.
+
+    Returns whether the stage has any step (an empty fan-out has none) and what to publish now.
+    """
+    st = kind.canvas[stage]
+    if st.over is not None:
+        items = list(st.over(plan))
+        rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]
+    else:
+        rows = [(sd, i, None) for i, sd in enumerate(st.steps)]
+    due_now = available_at is None
+    out: list[Dispatch] = []
+    for sd, index, item in rows:
+        step_id = s.scalar(
+            text(
+                """
+                INSERT INTO engine.step (run_id, stage, name, item_index, item, max_attempts,
+                                         next_attempt_at, published_at)
+                VALUES (:run, :stage, :name, :idx, CAST(:item AS jsonb), :max,
+                        coalesce(:at, now()), CASE WHEN :due THEN now() END)
+                ON CONFLICT (run_id, stage, item_index) DO NOTHING
+                RETURNING id
+                """
+            ),
+            {
+                "run": run_id,
+                "stage": stage,
+                "name": sd.name,
+                "idx": index,
+                "item": item,
+                "max": kind.policy_for(sd).max_attempts,
+                "at": available_at,
+                "due": due_now,
+            },
+        )
+        if step_id is not None and due_now:
+            out.append(Dispatch(step_id, kind.task_name(sd.name), kind.queue, priority))
+    s.execute(
+        text(
+            "UPDATE engine.task_run SET current_stage = :stage, current_step = :label, "
+            "updated_at = now() WHERE id = :id"
+        ),
+        {"stage": stage, "label": st.label, "id": run_id},
+    )
+    return bool(rows), out
+
+
+# --------------------------------------------------------------------------------------------
+# cancel
+
+
+def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
+    """Mark a cancel-requested run `canceled` once no step runs; enqueue its compensation."""
+    run = s.execute(
+        text(
+            "SELECT id, kind, version, input, status, cancel_reason FROM engine.task_run "
+            "WHERE id = :id FOR UPDATE"
+        ),
+        {"id": run_id},
+    ).first()
+    if run is None or run.status in TERMINAL:
+        return []
+    running = s.scalar(
+        text(
+            "SELECT count(*) FROM engine.step WHERE run_id = :id AND status = 'running' "
+            "AND lease_until > now()"
+        ),
+        {"id": run_id},
+    )
+    if running:
+        return []
+    s.execute(
+        text(
+            "UPDATE engine.step SET status = 'canceled', lease_token = NULL, finished_at = now() "
+            "WHERE run_id = :id AND status IN ('pending', 'waiting', 'running')"
+        ),
+        {"id": run_id},
+    )
+    s.execute(
+        text(
+            "UPDATE engine.task_run SET status = 'canceled', finished_at = now(), updated_at = now()"
+            " WHERE id = :id"
+        ),
+        {"id": run_id},
+    )
+    return enqueue_compensation(s, run)
+
+
+def enqueue_compensation(s: Session, run: Any) -> list[Dispatch]:
+    """Compensation is an explicit kind, enqueued once (idempotent key) in the same transaction."""
+    kind = get_kind(run.kind, run.version)
+    if kind.compensation is None:
+        return []
+    from proj.engine import runs
+
+    payload = (
+        kind.compensation_input(run.id, run.input)
+        if kind.compensation_input is not None
+        else {"run_id": str(run.id), "kind": run.kind, "input": run.input}
+    )
+    _ref, out = runs.insert_run(
+        s, kind.compensation, payload, idempotency_key=f"compensate:{run.id}"
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# waits (invariant 7)
+
+
+def _run_wait(c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec) -> tuple[str, list[Dispatch]]:
+    """Check the business truth; commit if it holds, otherwise park the run on its topic."""
+    topic = spec.topic(ctx)
+    if spec.until is not None:
+        until = spec.until(ctx)
+        with db.transaction() as s:
+            reached = bool(s.scalar(text("SELECT now() >= :u"), {"u": until}))
+        if reached:
+            return "succeeded", commit_success(c, kind, {"slept_until": until.isoformat()})
+        return park(c, topic, until=until)
+    if spec.check is not None:
+        value = spec.check(ctx)
+        if value:
+            return "succeeded", commit_success(c, kind, value)
+    else:
+        with db.transaction() as s:
+            sig = s.execute(
+                text(
+                    "SELECT payload FROM engine.task_signal WHERE topic = :t AND created_at >= :since"
+                    " ORDER BY id DESC LIMIT 1"
+                ),
+                {"t": topic, "since": c.run_created_at},
+            ).first()
+        if sig is not None:
+            return "succeeded", commit_success(c, kind, {"signal": sig.payload})
+    timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
+    return park(c, topic, timeout_s=timeout)
+
+
+def park(
+    c: Claim, topic: str, *, timeout_s: float | None = None, until: datetime | None = None
+) -> tuple[str, list[Dispatch]]:
+    """Free the worker: the step waits in Postgres for a signal or its timer.
+
+    Under the topic's advisory lock, a signal stored since this check started sends the step
+    straight back to work, so a signal racing the park is never lost. Waiting gives the attempt
+    back: it does not count against the retry policy.
+    """
+    with db.transaction() as s:
+        s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:t))"), {"t": topic})
+        raced = s.scalar(
+            text(
+                "SELECT EXISTS (SELECT 1 FROM engine.task_signal WHERE topic = :t AND created_at >= :since)"
+            ),
+            {"t": topic, "since": c.claimed_at},
+        )
+        row = s.execute(
+            text(
+                """
+                UPDATE engine.step
+                   SET status = CASE WHEN :raced THEN 'pending' ELSE 'waiting' END,
+                       attempts = attempts - 1, wakeups = wakeups + 1,
+                       wait_topic = :t, wait_since = :since,
+                       wait_until = coalesce(:until, now() + make_interval(secs => :timeout)),
+                       next_attempt_at = now(), lease_token = NULL, lease_until = NULL,
+                       published_at = CASE WHEN :raced THEN now() END
+                 WHERE id = :id AND lease_token = :tok AND status = 'running'
+             RETURNING id
+                """
+            ),
+            {
+                "raced": bool(raced),
+                "t": topic,
+                "since": c.claimed_at,
+                "until": until,
+                "timeout": timeout_s or 0.0,
+                "id": c.step_id,
+                "tok": c.token,
+            },
+        ).first()
+        if row is None:
+            raise LeaseLost(f"step {c.step_id}: lease lost while parking")
+        _close_attempt(s, c, "parked")
+        if raced:
+            return "rechecking", [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
+        s.execute(
+            text(
+                "UPDATE engine.task_run SET status = 'waiting', updated_at = now() "
+                "WHERE id = :run AND status = 'running' AND NOT EXISTS (SELECT 1 FROM engine.step "
+                "WHERE run_id = :run AND status IN ('running', 'pending'))"
+            ),
+            {"run": c.run_id},
+        )
+    return "waiting", []

@@ -1,0 +1,333 @@
+"""Run-level operations behind the port: enqueue, get, signal, cancel and operator decisions.
+
+All of them write Postgres first and publish after commit; steps themselves are committed only
+by `proj.engine.protocol`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import to_jsonable_python
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine import dispatch
+from proj.engine.context import PlanContext
+from proj.engine.dispatch import Dispatch, step_dispatch
+from proj.engine.errors import (
+    BadIdempotencyKey,
+    BadTopic,
+    IdempotencyConflict,
+    InvalidInput,
+    PayloadTooLarge,
+)
+from proj.engine.kind import Kind, get_kind
+from proj.engine.port import TaskRunRef, TaskRunView
+from proj.engine.protocol import TERMINAL, create_stage, finalize_cancel, to_json
+from proj.settings import get_settings
+
+TOPIC_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*$")
+MAX_KEY_LEN = 512
+
+
+def canonical_input(kind: Kind, input: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """Validate against the kind's model; return the stored JSON and its hash.
+
+    The hash covers only what the caller set (`exclude_unset`), so adding a defaulted field in a
+    later version does not turn an honest retry into a conflict.
+    """
+    if not isinstance(input, Mapping):
+        raise InvalidInput(f"input of {kind.name} must be a mapping, not {type(input).__name__}")
+    try:
+        model = kind.input_model.model_validate(dict(input))
+    except ValidationError as exc:
+        raise InvalidInput(f"invalid input for {kind.name}@{kind.version}: {exc}") from exc
+    stored = model.model_dump(mode="json")
+    given = to_jsonable_python(model.model_dump(mode="json", exclude_unset=True))
+    encoded = json.dumps(stored, sort_keys=True, separators=(",", ":"))
+    limit = get_settings().max_input_bytes
+    if len(encoded.encode()) > limit:
+        raise PayloadTooLarge(f"input of {kind.name} is {len(encoded)} bytes, limit {limit}")
+    digest = hashlib.sha256(
+        json.dumps(given, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+    return stored, digest
+
+
+def check_key(key: str) -> None:
+    if not isinstance(key, str) or not key.strip() or len(key) > MAX_KEY_LEN:
+        raise BadIdempotencyKey(f"idempotency key must be 1..{MAX_KEY_LEN} characters")
+
+
+def check_topic(topic: str) -> None:
+    if not isinstance(topic, str) or not TOPIC_RE.match(topic):
+        raise BadTopic(f"bad signal topic {topic!r}: expected 'name' or 'name:part', no spaces")
+
+
+def insert_run(
+    s: Session,
+    kind_name: str,
+    input: Mapping[str, Any],
+    *,
+    idempotency_key: str,
+    available_at: datetime | None = None,
+    priority: int = 0,
+    trace: Mapping[str, Any] | None = None,
+) -> tuple[TaskRunRef, list[Dispatch]]:
+    """Create the run and its first stage inside the caller's transaction (or find its twin)."""
+    check_key(idempotency_key)
+    kind = get_kind(kind_name)
+    stored, digest = canonical_input(kind, input)
+    ckey = (
+        kind.concurrency_key(kind.input_model.model_validate(stored))
+        if kind.concurrency_key
+        else None
+    )
+    run_id = uuid.uuid4()
+    inserted = s.scalar(
+        text(
+            """
+            INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash,
+                                         priority, concurrency_key, available_at, trace)
+            VALUES (:id, :kind, :version, :key, CAST(:input AS jsonb), :hash, :priority, :ckey,
+                    coalesce(:at, now()), CAST(:trace AS jsonb))
+            ON CONFLICT (kind, idempotency_key) DO NOTHING
+            RETURNING id
+            """
+        ),
+        {
+            "id": run_id,
+            "kind": kind.name,
+            "version": kind.version,
+            "key": idempotency_key,
+            "input": json.dumps(stored),
+            "hash": digest,
+            "priority": priority,
+            "ckey": ckey,
+            "at": available_at,
+            "trace": json.dumps(dict(trace)) if trace else None,
+        },
+    )
+    if inserted is None:
+        existing = s.execute(
+            text(
+                "SELECT id, input_hash FROM engine.task_run WHERE kind = :kind AND idempotency_key = :key"
+            ),
+            {"kind": kind.name, "key": idempotency_key},
+        ).one()
+        if existing.input_hash != digest:
+            raise IdempotencyConflict(kind.name, idempotency_key, existing.id)
+        return TaskRunRef(existing.id, created=False), []
+    plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
+    for stage in range(len(kind.canvas)):
+        has_steps, out = create_stage(
+            s, run_id, kind, stage, plan, available_at=available_at, priority=priority
+        )
+        if has_steps:
+            return TaskRunRef(run_id, created=True), out
+    s.execute(
+        text("UPDATE engine.task_run SET status = 'succeeded', finished_at = now() WHERE id = :id"),
+        {"id": run_id},
+    )
+    return TaskRunRef(run_id, created=True), []
+
+
+def enqueue(
+    kind: str,
+    input: Mapping[str, Any],
+    *,
+    idempotency_key: str,
+    available_at: datetime | None = None,
+    priority: int = 0,
+    trace: Mapping[str, Any] | None = None,
+) -> TaskRunRef:
+    """Idempotent forever: the same `(kind, key)` always names the same run."""
+    with db.transaction() as s:
+        ref, out = insert_run(
+            s,
+            kind,
+            input,
+            idempotency_key=idempotency_key,
+            available_at=available_at,
+            priority=priority,
+            trace=trace,
+        )
+    dispatch.publish_after_commit(out)
+    return ref
+
+
+def get(run_id: uuid.UUID) -> TaskRunView | None:
+    """The read-only projection of a run (and of its current step)."""
+    with db.transaction() as s:
+        row = s.execute(
+            text(
+                """
+                SELECT r.*, st.attempts AS step_attempts, st.wait_topic, st.wait_until
+                  FROM engine.task_run r
+                  LEFT JOIN LATERAL (
+                       SELECT max(attempts) AS attempts, max(wait_topic) AS wait_topic,
+                              min(wait_until) AS wait_until
+                         FROM engine.step WHERE run_id = r.id AND stage = r.current_stage) st ON true
+                 WHERE r.id = :id
+                """
+            ),
+            {"id": run_id},
+        ).first()
+    if row is None:
+        return None
+    return TaskRunView(
+        id=row.id,
+        kind=row.kind,
+        version=row.version,
+        status=row.status,
+        current_step=row.current_step,
+        attempts=row.step_attempts or 0,
+        last_error=row.last_error,
+        result=row.result,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        cancel_requested=row.cancel_requested_at is not None,
+        wait_topic=row.wait_topic if row.status == "waiting" else None,
+        wait_until=row.wait_until if row.status == "waiting" else None,
+    )
+
+
+def signal(topic: str, payload: Any = None) -> int:
+    """Store the signal, then wake every run parked on the topic; returns how many woke."""
+    check_topic(topic)
+    body = json.dumps(to_jsonable_python(payload))
+    if len(body) > get_settings().max_input_bytes:
+        raise PayloadTooLarge("signal payload too large")
+    with db.transaction() as s:
+        s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:t))"), {"t": topic})
+        s.execute(
+            text("INSERT INTO engine.task_signal (topic, payload) VALUES (:t, CAST(:p AS jsonb))"),
+            {"t": topic, "p": body},
+        )
+        out = wake(s, "s.wait_topic = :t", {"t": topic})
+    dispatch.publish_after_commit(out)
+    return len(out)
+
+
+def wake(s: Session, where: str, params: Mapping[str, Any]) -> list[Dispatch]:
+    """Send parked steps back to work (signal or timer); the run shows `running` again."""
+    rows = s.execute(
+        text(
+            f"""
+            UPDATE engine.step s SET status = 'pending', next_attempt_at = now(),
+                   published_at = now()
+              FROM engine.task_run r
+             WHERE r.id = s.run_id AND s.status = 'waiting' AND {where}
+         RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
+            """
+        ),
+        dict(params),
+    ).all()
+    if rows:
+        s.execute(
+            text(
+                "UPDATE engine.task_run SET status = 'running', updated_at = now() "
+                "WHERE id = ANY(:ids) AND status = 'waiting'"
+            ),
+            {"ids": list({r.run_id for r in rows})},
+        )
+    return [step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in rows]
+
+
+def cancel(run_id: uuid.UUID, reason: str) -> None:
+    """Business first: record the request (and the kind's business hook), then stop the run.
+
+    A running step is not killed; it sees `cancel_requested()` and stops itself, and the run is
+    finalised when it does (or when its lease expires).
+    """
+    with db.transaction() as s:
+        run = s.execute(
+            text(
+                "SELECT id, kind, version, input, status FROM engine.task_run WHERE id = :id "
+                "FOR UPDATE"
+            ),
+            {"id": run_id},
+        ).first()
+        if run is None:
+            raise KeyError(f"no run {run_id}")
+        if run.status in TERMINAL:
+            return
+        kind = get_kind(run.kind, run.version)
+        if kind.on_cancel is not None:
+            kind.on_cancel(s, run.id, kind.input_model.model_validate(run.input))
+        s.execute(
+            text(
+                "UPDATE engine.task_run SET cancel_requested_at = coalesce(cancel_requested_at, "
+                "now()), cancel_reason = :reason, updated_at = now() WHERE id = :id"
+            ),
+            {"reason": reason[:2000], "id": run_id},
+        )
+        out = finalize_cancel(s, run_id)
+    dispatch.publish_after_commit(out)
+
+
+def retry_failed(run_id: uuid.UUID) -> int:
+    """Operator decision on a dead letter: retry from the failed step(s) with fresh attempts."""
+    with db.transaction() as s:
+        run = s.execute(
+            text("SELECT kind, version, status FROM engine.task_run WHERE id = :id FOR UPDATE"),
+            {"id": run_id},
+        ).first()
+        if run is None or run.status != "failed":
+            return 0
+        rows = s.execute(
+            text(
+                "UPDATE engine.step SET status = 'pending', attempts = 0, next_attempt_at = now(),"
+                " published_at = now(), finished_at = NULL WHERE run_id = :id "
+                "AND status IN ('failed', 'pending') RETURNING id, name"
+            ),
+            {"id": run_id},
+        ).all()
+        s.execute(
+            text(
+                "UPDATE engine.task_run SET status = 'running', finished_at = NULL, "
+                "updated_at = now() WHERE id = :id"
+            ),
+            {"id": run_id},
+        )
+    dispatch.publish_after_commit(
+        [step_dispatch(r.id, run.kind, run.version, r.name) for r in rows]
+    )
+    return len(rows)
+
+
+def abandon(run_id: uuid.UUID, reason: str) -> None:
+    """Operator decision on a dead letter: give up, with the kind's compensation."""
+    with db.transaction() as s:
+        s.execute(
+            text(
+                "UPDATE engine.task_run SET status = 'running', cancel_requested_at = now(), "
+                "cancel_reason = :reason WHERE id = :id AND status = 'failed'"
+            ),
+            {"reason": f"abandoned: {reason}"[:2000], "id": run_id},
+        )
+        out = finalize_cancel(s, run_id)
+    dispatch.publish_after_commit(out)
+
+
+__all__ = [
+    "abandon",
+    "cancel",
+    "enqueue",
+    "get",
+    "insert_run",
+    "retry_failed",
+    "signal",
+    "to_json",
+]

@@ -1,0 +1,116 @@
+"""The recovery sweeper (a beat task): Postgres decides what must run, the broker is only told.
+
+Each tick, under a transaction-level advisory lock (so two beats are harmless):
+- steps whose lease expired (worker killed, stopped, partitioned) go back to `pending`, or fail
+  the run when their attempts are spent — recovery within `lease_ttl + sweep interval`;
+- parked steps whose timer is due are woken for a re-check;
+- cancel-requested runs with no live step are finalised;
+- pending, due steps that were never published (broker down) or whose message seems lost
+  (`republish_after_s`) are published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import text
+
+from proj import db
+from proj.engine import dispatch
+from proj.engine.dispatch import Dispatch, step_dispatch
+from proj.engine.protocol import fail_run, finalize_cancel
+from proj.engine.runs import wake
+from proj.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+SWEEP_LOCK = 0x5EE9_0001
+BATCH = 1000
+
+
+@dataclass
+class SweepReport:
+    """What one tick did (logged, and returned to tests and the CLI)."""
+
+    skipped: bool = False
+    expired: int = 0
+    failed: int = 0
+    woken: int = 0
+    cancel_checked: int = 0
+    published: int = 0
+
+
+def sweep() -> SweepReport:
+    """One tick of recovery; safe to run concurrently and as often as wanted."""
+    report = SweepReport()
+    settings = get_settings()
+    with db.transaction() as s:
+        if not s.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}):
+            report.skipped = True
+            return report
+        expired = s.execute(
+            text(
+                """
+                UPDATE engine.step
+                   SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'pending' END,
+                       error = jsonb_build_object('type', 'LeaseExpired', 'message',
+                               'worker ' || coalesce(lease_owner, '?') || ' stopped renewing its lease'),
+                       lease_token = NULL, lease_until = NULL, published_at = NULL,
+                       next_attempt_at = now()
+                 WHERE id IN (SELECT id FROM engine.step WHERE status = 'running'
+                               AND lease_until < now() ORDER BY lease_until LIMIT :n
+                               FOR UPDATE SKIP LOCKED)
+             RETURNING id, run_id, status, name, attempts, error
+                """
+            ),
+            {"n": BATCH},
+        ).all()
+        report.expired = len(expired)
+        for row in expired:
+            if row.status == "failed":
+                report.failed += 1
+                fail_run(s, row.run_id, {**row.error, "step": row.name, "attempts": row.attempts})
+        woken = wake(
+            s,
+            "s.id IN (SELECT id FROM engine.step WHERE status = 'waiting' "
+            "AND wait_until <= now() LIMIT :n)",
+            {"n": BATCH},
+        )
+        report.woken = len(woken)
+        to_publish: list[Dispatch] = list(woken)
+        cancels = s.scalars(
+            text(
+                "SELECT id FROM engine.task_run WHERE cancel_requested_at IS NOT NULL "
+                "AND status IN ('pending', 'running', 'waiting') LIMIT :n"
+            ),
+            {"n": BATCH},
+        ).all()
+        for run_id in cancels:
+            to_publish.extend(finalize_cancel(s, run_id))
+        report.cancel_checked = len(cancels)
+        due = s.execute(
+            text(
+                """
+                UPDATE engine.step s SET published_at = now()
+                  FROM engine.task_run r
+                 WHERE s.id IN (
+                        SELECT id FROM engine.step
+                         WHERE status = 'pending' AND next_attempt_at <= now()
+                           AND (published_at IS NULL
+                                OR published_at < now() - make_interval(secs => :again))
+                         ORDER BY next_attempt_at LIMIT :n FOR UPDATE SKIP LOCKED)
+                   AND r.id = s.run_id AND r.status IN ('pending', 'running', 'waiting')
+                   AND r.cancel_requested_at IS NULL
+             RETURNING s.id, s.name, r.kind, r.version, r.priority
+                """
+            ),
+            {"again": settings.republish_after_s, "n": BATCH},
+        ).all()
+        to_publish.extend(step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in due)
+        report.published = len(due)
+    dispatch.publish_after_commit(to_publish)
+    if report.expired or report.woken or report.published or report.failed:
+        log.info("sweep: %s", json.dumps(report.__dict__))
+    return report

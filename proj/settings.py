@@ -1,0 +1,76 @@
+"""Settings from the environment (pydantic-settings).
+
+Everything operational is an environment variable so that `celery -A proj worker`, beat, the
+admin and the CLI all read one configuration. Secrets are `SecretStr` so they never print.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Process-wide configuration; read once per process."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", case_sensitive=False)
+
+    database_url: str | None = Field(default=None, description="Postgres URL, shared by all")
+    broker_url: str | None = Field(default=None, description="Celery broker (redis:// or amqp://)")
+
+    lease_ttl_s: float = Field(default=15.0, gt=0.5, description="step lease length")
+    sweep_interval_s: float = Field(default=1.0, gt=0, description="beat period of the sweeper")
+    republish_after_s: float = Field(
+        default=30.0, gt=0, description="re-publish a pending step whose message seems lost"
+    )
+
+    db_pool_size: int = Field(default=3, ge=1)
+    db_max_overflow: int = Field(default=2, ge=0)
+    worker_concurrency: int = Field(default=2, ge=1)
+    expected_workers: int = Field(
+        default=2, ge=1, description="worker processes (hosts x nodes) sharing the database"
+    )
+    reserved_connections: int = Field(
+        default=10, ge=0, description="headroom kept free for beat, admin, CLI and psql"
+    )
+
+    engine_serve: str = Field(
+        default="",
+        description="versions this worker serves, e.g. 'demo@1,demo@2'; empty = current+previous",
+    )
+    engine_extra_kinds: str = Field(
+        default="", description="comma-separated modules declaring extra kinds (tests, plugins)"
+    )
+    max_input_bytes: int = Field(default=65536, ge=1024)
+
+    qbt_url: str | None = None
+    qbt_username: str | None = None
+    qbt_password: SecretStr | None = None
+    admin_username: str = "admin"
+    admin_password: SecretStr | None = None
+
+    def require_database_url(self) -> str:
+        """Return the SQLAlchemy URL (psycopg 3 driver) or explain what is missing."""
+        if not self.database_url:
+            raise RuntimeError(
+                "DATABASE_URL is not set. Point it at Postgres, e.g. "
+                "DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test "
+                "(or run `proj demo`, which starts an embedded one)."
+            )
+        return sqlalchemy_url(self.database_url)
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Normalise postgres:// and postgresql:// URLs to the psycopg 3 dialect."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process' settings. Tests that change the environment call `get_settings.cache_clear()`."""
+    return Settings()

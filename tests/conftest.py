@@ -1,0 +1,77 @@
+"""Real services for the tests: a fresh Postgres database, a Redis database, real workers.
+
+The environment is set before `proj` is imported, because settings are read once per process
+and worker subprocesses inherit it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+TEST_DB = os.environ.get("PROJ_TEST_DB", "proj_test")
+PG_ADMIN_URL = os.environ.get("PROJ_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+BROKER = os.environ.get("PROJ_TEST_BROKER", "redis://127.0.0.1:6379/5")
+
+os.environ.setdefault("DATABASE_URL", PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + TEST_DB)
+os.environ.setdefault("BROKER_URL", BROKER)
+os.environ.setdefault("LEASE_TTL_S", "3")
+os.environ.setdefault("SWEEP_INTERVAL_S", "0.5")
+os.environ.setdefault("REPUBLISH_AFTER_S", "5")
+os.environ.setdefault("ENGINE_EXTRA_KINDS", "tests.kinds")
+os.environ.setdefault("DB_POOL_SIZE", "3")
+os.environ.setdefault("DB_MAX_OVERFLOW", "2")
+
+from tests.support import services  # noqa: E402
+
+services.ensure_postgres()
+services.ensure_redis()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def database() -> str:
+    """Recreate the test database once per session and migrate it with `proj migrate`'s code."""
+    services.recreate_database(PG_ADMIN_URL, TEST_DB)
+    from proj.cli import migrate_to_head
+
+    migrate_to_head()
+    services.create_testkit()
+    return os.environ["DATABASE_URL"]
+
+
+@pytest.fixture(autouse=True)
+def clean_state(database: str) -> None:
+    """Each test starts with empty engine, ledger, outbox and business tables and queues."""
+    services.truncate_all()
+    services.flush_broker()
+
+
+@pytest.fixture
+def engine():
+    """The port, as business code sees it."""
+    from proj.engine.celery_engine import CeleryTaskEngine
+
+    eng = CeleryTaskEngine()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def inproc(engine):
+    """An in-process worker (thread pool) plus the sweeper loop: fast tests that kill nothing."""
+    engine.start(roles=("worker", "beat"), concurrency=4)
+    return engine
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Real `celery -A proj worker|beat` subprocesses; all are killed at teardown."""
+    group = services.ProcessGroup(tmp_path)
+    yield group
+    group.stop_all()
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,178 @@
+"""Kinds used by the engine tests (loaded through ENGINE_EXTRA_KINDS=tests.kinds).
+
+Bodies write to `testkit.*` tables in their own committed transactions so a test can count real
+body executions, including ones whose worker was killed before committing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from pydantic import BaseModel
+from sqlalchemy import text
+
+from proj import db
+from proj.engine.context import StepContext
+from proj.engine.errors import NonRetryable
+from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step, wait_for
+
+TESTKIT_DDL = """
+CREATE SCHEMA IF NOT EXISTS testkit;
+CREATE TABLE IF NOT EXISTS testkit.execution (
+    id bigserial PRIMARY KEY, run_id uuid NOT NULL, step text NOT NULL, item int,
+    attempt int NOT NULL, pid int NOT NULL, started_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    ended_at timestamptz);
+CREATE TABLE IF NOT EXISTS testkit.effect (
+    id bigserial PRIMARY KEY, run_id uuid NOT NULL, step text NOT NULL, pid int NOT NULL,
+    UNIQUE (run_id, step));
+CREATE TABLE IF NOT EXISTS testkit.approval (
+    key text PRIMARY KEY, approved boolean NOT NULL DEFAULT false);
+"""
+
+
+def record(ctx: StepContext) -> int:
+    """Count a body execution in its own transaction (survives a kill before commit)."""
+    with db.transaction() as s:
+        return int(
+            s.scalar(
+                text(
+                    "INSERT INTO testkit.execution (run_id, step, item, attempt, pid) "
+                    "VALUES (:r, :s, :i, :a, :p) RETURNING id"
+                ),
+                {
+                    "r": ctx.run_id,
+                    "s": ctx.step,
+                    "i": ctx.item_index,
+                    "a": ctx.attempt,
+                    "p": os.getpid(),
+                },
+            )
+        )
+
+
+def finish(exec_id: int) -> None:
+    with db.transaction() as s:
+        s.execute(
+            text("UPDATE testkit.execution SET ended_at = clock_timestamp() WHERE id = :i"),
+            {"i": exec_id},
+        )
+
+
+class ProbeInput(BaseModel):
+    n: int = 0
+    slow_step: str | None = None
+    slow_s: float = 0.0
+    slow_attempts: int = 1  # only the first N attempts of the slow step are slow
+    fenced_effect: bool = False
+
+
+def probe_body(ctx: StepContext) -> dict[str, object]:
+    exec_id = record(ctx)
+    inp: ProbeInput = ctx.input
+    if inp.slow_step == ctx.step and ctx.attempt <= inp.slow_attempts:
+        deadline = time.monotonic() + inp.slow_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    if inp.fenced_effect:
+        with ctx.fenced() as s:
+            s.execute(
+                text(
+                    "INSERT INTO testkit.effect (run_id, step, pid) VALUES (:r, :s, :p) "
+                    "ON CONFLICT (run_id, step) DO UPDATE SET pid = EXCLUDED.pid"
+                ),
+                {"r": ctx.run_id, "s": ctx.step, "p": os.getpid()},
+            )
+    finish(exec_id)
+    return {"step": ctx.step, "pid": os.getpid(), "attempt": ctx.attempt, "n": inp.n}
+
+
+PROBE = register(
+    Kind(
+        name="probe",
+        version=1,
+        retry=RetryPolicy(max_attempts=5, initial_s=0.2, max_s=1.0),
+        input_model=ProbeInput,
+        canvas=tuple(step(f"s{i}", probe_body) for i in range(1, 6)),
+    )
+)
+
+
+class FlakyInput(BaseModel):
+    message: str = "boom"
+    fatal: bool = False
+
+
+def always_fails(ctx: StepContext) -> None:
+    record(ctx)
+    if ctx.input.fatal:
+        raise NonRetryable(ctx.input.message)
+    raise RuntimeError(f"{ctx.input.message} (attempt {ctx.attempt})")
+
+
+FLAKY = register(
+    Kind(
+        name="flaky",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=FlakyInput,
+        canvas=(step("ok", lambda ctx: record(ctx) and "ok"), step("fails", always_fails)),
+    )
+)
+
+
+class FanInput(BaseModel):
+    items: int = 4
+
+
+def fan_item(ctx: StepContext) -> int:
+    record(ctx)
+    return int(ctx.item) * 10
+
+
+FAN = register(
+    Kind(
+        name="fan",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=FanInput,
+        canvas=(
+            step("plan", lambda ctx: list(range(ctx.input.items))),
+            fan_out("each", fan_item, over=lambda ctx: ctx.result("plan")),
+            step("total", lambda ctx: sum(ctx.result("each"))),
+        ),
+    )
+)
+
+
+class ApprovalInput(BaseModel):
+    key: str
+    timeout_s: float = 30.0
+
+
+def approved(ctx: StepContext) -> bool:
+    with db.transaction() as s:
+        return bool(
+            s.scalar(
+                text("SELECT approved FROM testkit.approval WHERE key = :k"), {"k": ctx.input.key}
+            )
+        )
+
+
+GATED = register(
+    Kind(
+        name="gated",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=ApprovalInput,
+        canvas=(
+            wait_for(
+                "approval",
+                topic=lambda ctx: f"approval:{ctx.input.key}",
+                timeout_s=lambda ctx: ctx.input.timeout_s,
+                check=approved,
+            ),
+            step("after", lambda ctx: record(ctx) and "done"),
+        ),
+    )
+)

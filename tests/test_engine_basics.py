@@ -1,0 +1,54 @@
+"""In-process checks of the engine's bookkeeping: chain, fan-out/fan-in, enqueue idempotency."""
+
+from __future__ import annotations
+
+import pytest
+
+from proj.engine.errors import IdempotencyConflict, InvalidInput, UnknownKind
+from tests.conftest import new_key
+from tests.support.services import scalar, sql, wait_for
+
+
+def test_chain_runs_every_step_once(inproc) -> None:
+    ref = inproc.enqueue("probe", {"n": 1}, idempotency_key=new_key())
+    wait_for(lambda: inproc.get(ref.task_run_id).status == "succeeded", 30, what="run done")
+    rows = sql("SELECT step, count(*) FROM testkit.execution GROUP BY step ORDER BY step")
+    assert rows == [(f"s{i}", 1) for i in range(1, 6)]
+    view = inproc.get(ref.task_run_id)
+    assert view.result["step"] == "s5"
+
+
+def test_fan_out_fan_in_counted_in_postgres(inproc) -> None:
+    ref = inproc.enqueue("fan", {"items": 7}, idempotency_key=new_key())
+    wait_for(lambda: inproc.get(ref.task_run_id).status == "succeeded", 30, what="fan run done")
+    assert inproc.get(ref.task_run_id).result == sum(i * 10 for i in range(7))
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'each'") == 7
+    assert (
+        scalar("SELECT count(*) FROM engine.step WHERE name = 'each' AND status = 'succeeded'") == 7
+    )
+
+
+def test_enqueue_is_idempotent_forever(inproc) -> None:
+    key = new_key()
+    first = inproc.enqueue("probe", {"n": 7}, idempotency_key=key)
+    again = inproc.enqueue("probe", {"n": 7}, idempotency_key=key)
+    assert again.task_run_id == first.task_run_id and again.created is False
+    with pytest.raises(IdempotencyConflict):
+        inproc.enqueue("probe", {"n": 8}, idempotency_key=key)
+    wait_for(lambda: inproc.get(first.task_run_id).status == "succeeded", 30, what="run done")
+    # No time window: long after the run finished the key still names the same run.
+    sql("UPDATE engine.task_run SET created_at = now() - interval '400 days'")
+    late = inproc.enqueue("probe", {"n": 7}, idempotency_key=key)
+    assert late.task_run_id == first.task_run_id
+    with pytest.raises(IdempotencyConflict):
+        inproc.enqueue("probe", {"n": 9}, idempotency_key=key)
+    assert scalar("SELECT count(*) FROM engine.task_run") == 1
+    assert scalar("SELECT count(*) FROM testkit.execution") == 5
+
+
+def test_bad_input_writes_nothing(engine) -> None:
+    with pytest.raises(UnknownKind):
+        engine.enqueue("nope", {}, idempotency_key=new_key())
+    with pytest.raises(InvalidInput):
+        engine.enqueue("probe", {"n": "not a number"}, idempotency_key=new_key())
+    assert scalar("SELECT count(*) FROM engine.task_run") == 0
