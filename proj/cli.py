@@ -52,9 +52,7 @@ def show(run_id: str) -> None:
 
 
 @cli.command("runs")
-def list_runs(
-    kind: str | None = None, status: str | None = None, limit: int = typer.Option(20)
-) -> None:
+def list_runs(kind: str | None = None, status: str | None = None, limit: int = typer.Option(20)) -> None:
     """List recent runs, newest first."""
     from sqlalchemy import text
 

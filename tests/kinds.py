@@ -153,9 +153,7 @@ class ApprovalInput(BaseModel):
 def approved(ctx: StepContext) -> bool:
     with db.transaction() as s:
         return bool(
-            s.scalar(
-                text("SELECT approved FROM testkit.approval WHERE key = :k"), {"k": ctx.input.key}
-            )
+            s.scalar(text("SELECT approved FROM testkit.approval WHERE key = :k"), {"k": ctx.input.key})
         )
 
 

@@ -23,9 +23,7 @@ def test_fan_out_fan_in_counted_in_postgres(inproc) -> None:
     wait_for(lambda: inproc.get(ref.task_run_id).status == "succeeded", 30, what="fan run done")
     assert inproc.get(ref.task_run_id).result == sum(i * 10 for i in range(7))
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'each'") == 7
-    assert (
-        scalar("SELECT count(*) FROM engine.step WHERE name = 'each' AND status = 'succeeded'") == 7
-    )
+    assert scalar("SELECT count(*) FROM engine.step WHERE name = 'each' AND status = 'succeeded'") == 7
 
 
 def test_enqueue_is_idempotent_forever(inproc) -> None:

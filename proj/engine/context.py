@@ -27,9 +27,7 @@ _FENCE = text(
     """
 )
 _CANCELLED = text("SELECT cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = :id")
-_PROGRESS = text(
-    "UPDATE engine.step SET progress = CAST(:p AS jsonb) WHERE id = :id AND lease_token = :tok"
-)
+_PROGRESS = text("UPDATE engine.step SET progress = CAST(:p AS jsonb) WHERE id = :id AND lease_token = :tok")
 
 
 def load_results(session: Session, run_id: uuid.UUID, kind: Kind) -> dict[str, Any]:

@@ -74,9 +74,7 @@ class Heartbeat:
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 self._pid = os.getpid()
                 self._leases = {}
-                self._thread = threading.Thread(
-                    target=self._loop, name="lease-heartbeat", daemon=True
-                )
+                self._thread = threading.Thread(target=self._loop, name="lease-heartbeat", daemon=True)
                 self._thread.start()
 
     def interval(self) -> float:

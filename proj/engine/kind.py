@@ -237,9 +237,7 @@ def served_kinds(spec: str = "") -> list[Kind]:
     """Kinds this worker serves: the `ENGINE_SERVE` list, or each kind's current and previous."""
     if spec.strip():
         wanted: Iterable[tuple[str, int]] = (
-            (part.split("@")[0].strip(), int(part.split("@")[1]))
-            for part in spec.split(",")
-            if part.strip()
+            (part.split("@")[0].strip(), int(part.split("@")[1])) for part in spec.split(",") if part.strip()
         )
         return [get_kind(n, v) for n, v in wanted]
     out: list[Kind] = []

@@ -73,9 +73,7 @@ class TaskRun(Base):
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancel_reason: Mapped[str | None] = mapped_column(Text)
     trace: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
-    available_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now()
-    )
+    available_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -105,9 +103,7 @@ class Step(Base):
     status: Mapped[str] = mapped_column(Text, server_default="pending")
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     max_attempts: Mapped[int] = mapped_column(Integer)
-    next_attempt_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now()
-    )
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     lease_token: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -131,9 +127,7 @@ class StepAttempt(Base):
     __table_args__ = (Index("step_attempt_step_idx", "step_id"),)
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    step_id: Mapped[int] = mapped_column(
-        BigInteger, ForeignKey("engine.step.id", ondelete="CASCADE")
-    )
+    step_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("engine.step.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     lease_token: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True))
     worker: Mapped[str | None] = mapped_column(Text)

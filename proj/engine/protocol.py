@@ -132,9 +132,7 @@ def claim(step_id: int) -> Claim | None:
         if row is None:
             return None
         s.execute(_RUN_STARTED, {"run": row.run_id, "name": row.name})
-        s.execute(
-            _ATTEMPT, {"id": step_id, "attempt": row.attempts, "tok": token, "owner": worker_id()}
-        )
+        s.execute(_ATTEMPT, {"id": step_id, "attempt": row.attempts, "tok": token, "owner": worker_id()})
     return Claim(
         step_id=step_id,
         run_id=row.run_id,
@@ -215,10 +213,7 @@ def commit_success(c: Claim, kind: Kind, result: Any) -> list[Dispatch]:
     """Store the result and advance the run, or refuse if the lease is gone."""
     payload = to_json(result)
     with db.transaction() as s:
-        if (
-            s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first()
-            is None
-        ):
+        if s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first() is None:
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
         _close_attempt(s, c, "succeeded")
         return advance(s, c.run_id)
@@ -252,9 +247,7 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[s
             },
         ).first()
         if row is None:
-            raise LeaseLost(
-                f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded"
-            )
+            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
         _close_attempt(s, c, "failed" if final else "retry", err)
         if final:
             fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
@@ -331,8 +324,7 @@ def advance(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
         return []
     open_steps = s.scalar(
         text(
-            "SELECT count(*) FROM engine.step WHERE run_id = :id AND stage = :stage "
-            "AND status <> 'succeeded'"
+            "SELECT count(*) FROM engine.step WHERE run_id = :id AND stage = :stage AND status <> 'succeeded'"
         ),
         {"id": run_id, "stage": run.current_stage},
     )
@@ -471,9 +463,7 @@ def enqueue_compensation(s: Session, run: Any) -> list[Dispatch]:
         if kind.compensation_input is not None
         else {"run_id": str(run.id), "kind": run.kind, "input": run.input}
     )
-    _ref, out = runs.insert_run(
-        s, kind.compensation, payload, idempotency_key=f"compensate:{run.id}"
-    )
+    _ref, out = runs.insert_run(s, kind.compensation, payload, idempotency_key=f"compensate:{run.id}")
     return out
 
 

@@ -57,9 +57,7 @@ def canonical_input(kind: Kind, input: Mapping[str, Any]) -> tuple[dict[str, Any
     limit = get_settings().max_input_bytes
     if len(encoded.encode()) > limit:
         raise PayloadTooLarge(f"input of {kind.name} is {len(encoded)} bytes, limit {limit}")
-    digest = hashlib.sha256(
-        json.dumps(given, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
+    digest = hashlib.sha256(json.dumps(given, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return stored, digest
 
 
@@ -87,11 +85,7 @@ def insert_run(
     check_key(idempotency_key)
     kind = get_kind(kind_name)
     stored, digest = canonical_input(kind, input)
-    ckey = (
-        kind.concurrency_key(kind.input_model.model_validate(stored))
-        if kind.concurrency_key
-        else None
-    )
+    ckey = kind.concurrency_key(kind.input_model.model_validate(stored)) if kind.concurrency_key else None
     run_id = uuid.uuid4()
     inserted = s.scalar(
         text(
@@ -119,9 +113,7 @@ def insert_run(
     )
     if inserted is None:
         existing = s.execute(
-            text(
-                "SELECT id, input_hash FROM engine.task_run WHERE kind = :kind AND idempotency_key = :key"
-            ),
+            text("SELECT id, input_hash FROM engine.task_run WHERE kind = :kind AND idempotency_key = :key"),
             {"kind": kind.name, "key": idempotency_key},
         ).one()
         if existing.input_hash != digest:
@@ -253,10 +245,7 @@ def cancel(run_id: uuid.UUID, reason: str) -> None:
     """
     with db.transaction() as s:
         run = s.execute(
-            text(
-                "SELECT id, kind, version, input, status FROM engine.task_run WHERE id = :id "
-                "FOR UPDATE"
-            ),
+            text("SELECT id, kind, version, input, status FROM engine.task_run WHERE id = :id FOR UPDATE"),
             {"id": run_id},
         ).first()
         if run is None:
@@ -301,9 +290,7 @@ def retry_failed(run_id: uuid.UUID) -> int:
             ),
             {"id": run_id},
         )
-    dispatch.publish_after_commit(
-        [step_dispatch(r.id, run.kind, run.version, r.name) for r in rows]
-    )
+    dispatch.publish_after_commit([step_dispatch(r.id, run.kind, run.version, r.name) for r in rows])
     return len(rows)
 
 

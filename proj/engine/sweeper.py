@@ -74,8 +74,7 @@ def sweep() -> SweepReport:
                 fail_run(s, row.run_id, {**row.error, "step": row.name, "attempts": row.attempts})
         woken = wake(
             s,
-            "s.id IN (SELECT id FROM engine.step WHERE status = 'waiting' "
-            "AND wait_until <= now() LIMIT :n)",
+            "s.id IN (SELECT id FROM engine.step WHERE status = 'waiting' AND wait_until <= now() LIMIT :n)",
             {"n": BATCH},
         )
         report.woken = len(woken)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -81,10 +82,8 @@ def start_redis() -> None:
 
 def restart_redis(down_s: float = 1.0) -> None:
     """Stop Redis (losing every queued message: it keeps nothing on disk) and start it again."""
-    try:
+    with contextlib.suppress(redis.exceptions.ConnectionError):
         redis.Redis(host="127.0.0.1", port=6379).shutdown(nosave=True)
-    except redis.exceptions.ConnectionError:
-        pass
     wait_for(lambda: not _port_open(6379), 10, what="redis to stop")
     time.sleep(down_s)
     start_redis()
@@ -205,9 +204,7 @@ class ProcessGroup:
             self._died(name, log, raise_=True)
         return self.procs[name]
 
-    def beat(
-        self, name: str = "beat", env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
+    def beat(self, name: str = "beat", env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         self._spawn(
             name,
             ["beat", "--loglevel", "INFO", "-s", str(self.tmp / f"{name}-schedule")],
