@@ -44,6 +44,9 @@ class Settings(BaseSettings):
         default="", description="comma-separated modules declaring extra kinds (tests, plugins)"
     )
     max_input_bytes: int = Field(default=65536, ge=1024)
+    fault_duplicate_publish: int = Field(
+        default=1, ge=1, le=5, description="fault injection: send every step message N times"
+    )
 
     qbt_url: str | None = None
     qbt_username: str | None = None

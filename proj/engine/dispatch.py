@@ -11,6 +11,7 @@ from sqlalchemy import text
 
 from proj import db
 from proj.engine.kind import queue_name, task_name
+from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,21 @@ def publish(items: Sequence[Dispatch]) -> list[Dispatch]:
     if not items:
         return []
     app = _app()
+    copies = get_settings().fault_duplicate_publish
     failed: list[Dispatch] = []
     try:
         with app.producer_or_acquire() as producer:
             for d in items:
                 try:
-                    app.send_task(
-                        d.task_name,
-                        args=(d.step_id,),
-                        queue=d.queue,
-                        producer=producer,
-                        retry=True,
-                        retry_policy=PUBLISH_RETRY,
-                    )
+                    for _ in range(copies):
+                        app.send_task(
+                            d.task_name,
+                            args=(d.step_id,),
+                            queue=d.queue,
+                            producer=producer,
+                            retry=True,
+                            retry_policy=PUBLISH_RETRY,
+                        )
                 except Exception as exc:
                     log.warning("publish of step %s failed: %s", d.step_id, exc)
                     failed.append(d)
