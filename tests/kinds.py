@@ -28,6 +28,10 @@ CREATE TABLE IF NOT EXISTS testkit.effect (
     UNIQUE (run_id, step));
 CREATE TABLE IF NOT EXISTS testkit.approval (
     key text PRIMARY KEY, approved boolean NOT NULL DEFAULT false);
+CREATE TABLE IF NOT EXISTS testkit.chunk (
+    id bigserial PRIMARY KEY, run_id uuid NOT NULL, at timestamptz NOT NULL);
+CREATE TABLE IF NOT EXISTS testkit.cancel_flag (
+    run_id uuid PRIMARY KEY, at timestamptz NOT NULL);
 """
 
 
@@ -172,5 +176,111 @@ GATED = register(
             ),
             step("after", lambda ctx: record(ctx) and "done"),
         ),
+    )
+)
+
+
+class TopicInput(BaseModel):
+    topic: str
+    timeout_s: float = 60.0
+
+
+SIGNALLED = register(
+    Kind(
+        name="signalled",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=TopicInput,
+        canvas=(
+            wait_for("go", topic=lambda ctx: ctx.input.topic, timeout_s=lambda ctx: ctx.input.timeout_s),
+            step("after", lambda ctx: ctx.result("go")),
+        ),
+    )
+)
+
+
+class ChunkyInput(BaseModel):
+    chunks: int = 50
+    chunk_s: float = 0.3
+
+
+def chunked(ctx: StepContext) -> int:
+    """A long body that honours cancel per chunk, as a large copy does."""
+    done = 0
+    for _ in range(ctx.input.chunks):
+        ctx.checkpoint()
+        with db.transaction() as s:
+            s.execute(
+                text("INSERT INTO testkit.chunk (run_id, at) VALUES (:r, clock_timestamp())"),
+                {"r": ctx.run_id},
+            )
+        time.sleep(ctx.input.chunk_s)
+        done += 1
+    return done
+
+
+def mark_cancel(session, run_id, inp) -> None:  # noqa: ANN001 - the kind's business hook
+    session.execute(
+        text("INSERT INTO testkit.cancel_flag (run_id, at) VALUES (:r, clock_timestamp())"),
+        {"r": run_id},
+    )
+
+
+class UndoInput(BaseModel):
+    run_id: str
+    kind: str
+    input: dict
+
+
+CHUNKY = register(
+    Kind(
+        name="chunky",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=ChunkyInput,
+        canvas=(step("copy", chunked), step("after", lambda ctx: record(ctx) and "after")),
+        on_cancel=mark_cancel,
+        compensation="undo",
+    )
+)
+
+UNDO = register(
+    Kind(
+        name="undo",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=UndoInput,
+        canvas=(step("undo", lambda ctx: record(ctx) and ctx.input.run_id),),
+    )
+)
+
+
+class UpgradeInput(BaseModel):
+    slow_s: float = 0.0
+
+
+def versioned(ctx: StepContext) -> dict[str, object]:
+    record(ctx)
+    if ctx.step == "a" and ctx.input.slow_s:
+        time.sleep(ctx.input.slow_s)
+    return {"version": ctx.kind.version, "step": ctx.step}
+
+
+UPGR_V1 = register(
+    Kind(
+        name="upgr",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=UpgradeInput,
+        canvas=(step("a", versioned), step("b", versioned)),
+    )
+)
+UPGR_V2 = register(
+    Kind(
+        name="upgr",
+        version=2,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=UpgradeInput,
+        canvas=(step("a", versioned), step("b", versioned), step("c", versioned)),
     )
 )

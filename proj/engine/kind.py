@@ -128,8 +128,8 @@ def wait_for(
 ) -> Stage:
     """Park until `check` holds (re-checked on each signal of `topic` and every `timeout_s`).
 
-    Without `check`, the wait is satisfied by any stored signal of `topic` sent after the run
-    was created; its payload becomes the step's result.
+    Without `check`, the wait is satisfied by any stored signal of `topic` (also one sent before
+    the run existed); the newest payload becomes the step's result.
     """
     return Stage(steps=(StepDef(name, None, None, WaitSpec(topic, timeout_s, check)),))
 

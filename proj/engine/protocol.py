@@ -488,11 +488,8 @@ def _run_wait(c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec) -> tuple[s
     else:
         with db.transaction() as s:
             sig = s.execute(
-                text(
-                    "SELECT payload FROM engine.task_signal WHERE topic = :t AND created_at >= :since"
-                    " ORDER BY id DESC LIMIT 1"
-                ),
-                {"t": topic, "since": c.run_created_at},
+                text("SELECT payload FROM engine.task_signal WHERE topic = :t ORDER BY id DESC LIMIT 1"),
+                {"t": topic},
             ).first()
         if sig is not None:
             return "succeeded", commit_success(c, kind, {"signal": sig.payload})

@@ -80,10 +80,15 @@ def insert_run(
     available_at: datetime | None = None,
     priority: int = 0,
     trace: Mapping[str, Any] | None = None,
+    version: int | None = None,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
-    """Create the run and its first stage inside the caller's transaction (or find its twin)."""
+    """Create the run and its first stage inside the caller's transaction (or find its twin).
+
+    `version` pins an older version (an old build still enqueuing during a rollout); by default
+    a run starts on the newest version this process knows, and keeps it to the end.
+    """
     check_key(idempotency_key)
-    kind = get_kind(kind_name)
+    kind = get_kind(kind_name, version)
     stored, digest = canonical_input(kind, input)
     ckey = kind.concurrency_key(kind.input_model.model_validate(stored)) if kind.concurrency_key else None
     run_id = uuid.uuid4()
@@ -141,6 +146,7 @@ def enqueue(
     available_at: datetime | None = None,
     priority: int = 0,
     trace: Mapping[str, Any] | None = None,
+    version: int | None = None,
 ) -> TaskRunRef:
     """Idempotent forever: the same `(kind, key)` always names the same run."""
     with db.transaction() as s:
@@ -152,6 +158,7 @@ def enqueue(
             available_at=available_at,
             priority=priority,
             trace=trace,
+            version=version,
         )
     dispatch.publish_after_commit(out)
     return ref
@@ -163,12 +170,16 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         row = s.execute(
             text(
                 """
-                SELECT r.*, st.attempts AS step_attempts, st.wait_topic, st.wait_until
+                SELECT r.*, st.attempts AS step_attempts, st.wait_topic, st.wait_until,
+                       st.pending_since, st.due_at, now() AS db_now
                   FROM engine.task_run r
                   LEFT JOIN LATERAL (
                        SELECT max(attempts) AS attempts, max(wait_topic) AS wait_topic,
-                              min(wait_until) AS wait_until
-                         FROM engine.step WHERE run_id = r.id AND stage = r.current_stage) st ON true
+                              min(wait_until) AS wait_until,
+                              min(created_at) FILTER (WHERE status = 'pending') AS pending_since,
+                              min(next_attempt_at) FILTER (WHERE status = 'pending') AS due_at
+                         FROM engine.step
+                        WHERE run_id = r.id AND stage = r.current_stage) st ON true
                  WHERE r.id = :id
                 """
             ),
@@ -192,7 +203,23 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         cancel_requested=row.cancel_requested_at is not None,
         wait_topic=row.wait_topic if row.status == "waiting" else None,
         wait_until=row.wait_until if row.status == "waiting" else None,
+        pending_reason=_pending_reason(row),
     )
+
+
+def _pending_reason(row: Any) -> str | None:
+    """Why a run is not moving: a future start, or no worker serving its version picked it up."""
+    if row.status not in ("pending", "running") or row.due_at is None:
+        return None
+    if row.due_at > row.db_now:
+        return f"scheduled for {row.due_at.isoformat()}"
+    waited = (row.db_now - max(row.due_at, row.pending_since)).total_seconds()
+    if waited > get_settings().republish_after_s:
+        return (
+            f"not picked up for {waited:.0f}s: is a worker serving {row.kind}@{row.version} "
+            f"(queue {row.kind}.v{row.version}) running?"
+        )
+    return None
 
 
 def signal(topic: str, payload: Any = None) -> int:

@@ -1,0 +1,133 @@
+"""Invariants 7 and 8: waits read the database and park; signals are stored and wake at once;
+timers live in Postgres; cancel is business first and stops long steps within one chunk."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+from tests.conftest import new_key
+from tests.support.services import scalar, sql, wait_for
+
+
+def _status(run_id) -> str:
+    return scalar("SELECT status FROM engine.task_run WHERE id = %s", (run_id,))
+
+
+def test_early_signal_is_not_lost(inproc) -> None:
+    """A signal sent before anyone waits is stored; the wait sees it without any delay."""
+    topic = f"go:{new_key()}"
+    assert inproc.signal(topic, {"ok": 1}) == 0
+    started = time.monotonic()
+    ref = inproc.enqueue("signalled", {"topic": topic, "timeout_s": 120}, idempotency_key=new_key())
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 10, what="run to pass the wait")
+    assert time.monotonic() - started < 5, "the early signal must not wait for the timeout"
+    assert inproc.get(ref.task_run_id).result == {"signal": {"ok": 1}}
+
+
+def test_early_business_write_passes_the_check_at_once(inproc) -> None:
+    key = new_key()
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    ref = inproc.enqueue("gated", {"key": key, "timeout_s": 120}, idempotency_key=new_key())
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 10, what="run to pass")
+    assert scalar("SELECT wakeups FROM engine.step WHERE name = 'approval'") == 0
+
+
+def test_lost_signal_timeout_rechecks_the_database(inproc) -> None:
+    """No signal at all: the Postgres timer wakes the run, the re-check reads the truth."""
+    key = new_key()
+    ref = inproc.enqueue("gated", {"key": key, "timeout_s": 1.0}, idempotency_key=new_key())
+    wait_for(lambda: _status(ref.task_run_id) == "waiting", 10, what="run to park")
+    view = inproc.get(ref.task_run_id)
+    assert view.wait_topic == f"approval:{key}" and view.wait_until is not None
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))  # no signal
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 15, what="timer re-check")
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 1
+
+
+def test_waiting_does_not_consume_attempts(inproc) -> None:
+    key = new_key()
+    ref = inproc.enqueue("gated", {"key": key, "timeout_s": 0.2}, idempotency_key=new_key())
+    wait_for(
+        lambda: scalar("SELECT wakeups FROM engine.step WHERE name = 'approval'") >= 6,
+        20,
+        what="several timer wake-ups",
+    )
+    assert _status(ref.task_run_id) in ("waiting", "running")
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 15, what="run to pass")
+    attempts, max_attempts = sql("SELECT attempts, max_attempts FROM engine.step WHERE name = 'approval'")[0]
+    assert attempts == 1 <= max_attempts
+
+
+def test_one_signal_wakes_a_hundred_parked_runs(inproc) -> None:
+    key = new_key()
+    refs = [
+        inproc.enqueue("gated", {"key": key, "timeout_s": 600}, idempotency_key=new_key()) for _ in range(100)
+    ]
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'waiting'") == 100,
+        60,
+        what="100 parked runs",
+    )
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert inproc.signal(f"approval:{key}") == 100
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 100,
+        60,
+        what="all 100 to wake and finish",
+    )
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == len(refs)
+
+
+def test_available_at_is_held_in_postgres(inproc) -> None:
+    at = datetime.now(UTC) + timedelta(seconds=2)
+    ref = inproc.enqueue("probe", {}, idempotency_key=new_key(), available_at=at)
+    time.sleep(1.0)
+    assert _status(ref.task_run_id) == "pending"
+    assert inproc.get(ref.task_run_id).pending_reason.startswith("scheduled for")
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 15, what="delayed run")
+    first = scalar("SELECT min(started_at) FROM testkit.execution")
+    assert first >= at - timedelta(milliseconds=50)
+
+
+def test_cancel_while_queued(engine) -> None:
+    ref = engine.enqueue("probe", {}, idempotency_key=new_key())  # no worker yet
+    engine.cancel(ref.task_run_id, "changed my mind")
+    assert _status(ref.task_run_id) == "canceled"
+    engine.start(roles=("worker", "beat"), concurrency=2)
+    time.sleep(1.5)
+    assert scalar("SELECT count(*) FROM testkit.execution") == 0
+    assert scalar("SELECT count(*) FROM engine.step WHERE status = 'canceled'") == 1
+
+
+def test_cancel_while_waiting(inproc) -> None:
+    key = new_key()
+    ref = inproc.enqueue("gated", {"key": key, "timeout_s": 600}, idempotency_key=new_key())
+    wait_for(lambda: _status(ref.task_run_id) == "waiting", 10, what="run to park")
+    inproc.cancel(ref.task_run_id, "no longer wanted")
+    assert _status(ref.task_run_id) == "canceled"
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert inproc.signal(f"approval:{key}") == 0
+    time.sleep(1.0)
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 0
+
+
+def test_cancel_during_a_long_chunked_step_stops_within_one_chunk(inproc) -> None:
+    ref = inproc.enqueue("chunky", {"chunks": 100, "chunk_s": 0.3}, idempotency_key=new_key())
+    wait_for(lambda: scalar("SELECT count(*) FROM testkit.chunk") >= 3, 15, what="copy underway")
+    inproc.cancel(ref.task_run_id, "user canceled the download")
+    flagged_at = scalar("SELECT at FROM testkit.cancel_flag WHERE run_id = %s", (ref.task_run_id,))
+    assert flagged_at is not None, "business row written first"
+    wait_for(lambda: _status(ref.task_run_id) == "canceled", 10, what="run to stop")
+    late_chunks = scalar("SELECT count(*) FROM testkit.chunk WHERE at > %s", (flagged_at,))
+    assert late_chunks <= 1, f"{late_chunks} chunks started after the cancel"
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 0
+    # Compensation is an explicit kind, enqueued once.
+    wait_for(
+        lambda: scalar("SELECT status FROM engine.task_run WHERE kind = 'undo'") == "succeeded",
+        15,
+        what="compensation run",
+    )
+    assert scalar("SELECT count(*) FROM engine.task_run WHERE kind = 'undo'") == 1
+    assert scalar("SELECT result FROM engine.task_run WHERE kind = 'undo'") == str(ref.task_run_id)
