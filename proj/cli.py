@@ -123,6 +123,15 @@ def resolve(
         console.print("abandoned")
 
 
+@cli.command("lock-steps")
+def lock_steps() -> None:
+    """Record step names per kind@version in proj/kinds/steps.lock.json (append-only)."""
+    from proj.engine.versions import LOCK_PATH, write_lock
+
+    merged = write_lock()
+    console.print(f"{len(merged)} kind version(s) locked in {LOCK_PATH}")
+
+
 @cli.command()
 def demo(parts: int = typer.Option(4, help="fan-out width of the demo pipeline")) -> None:
     """Run the demo pipeline end to end (embedded Postgres and Redis when none are configured)."""
