@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     qbt_password: SecretStr | None = None
     admin_username: str = "admin"
     admin_password: SecretStr | None = None
+    admin_secret: SecretStr | None = Field(
+        default=None, description="signs the admin session cookie (CSRF); random per start if unset"
+    )
 
     def require_database_url(self) -> str:
         """Return the SQLAlchemy URL (psycopg 3 driver) or explain what is missing."""

@@ -1,0 +1,285 @@
+"""The `/admin` web app: what Flower cannot show (business timelines, dead letters, draining
+versions, outbox backlog, parked runs) and the operator's decisions on dead letters.
+
+Security: every page needs HTTP Basic credentials (`ADMIN_USERNAME` / `ADMIN_PASSWORD`) unless
+the app was made with `insecure=True` (loopback only, see `proj admin --insecure-local`).
+Browsers resend Basic credentials on cross-site requests, so every POST also needs the per-session
+CSRF token (a signed session cookie, `SameSite=Strict`); a POST without it gets 403.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import secrets
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Form, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from starlette.middleware.sessions import SessionMiddleware
+
+from proj import db
+from proj.admin import queries
+from proj.admin.timeline import short_json
+from proj.settings import Settings, get_settings
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+REALM = 'Basic realm="proj admin", charset="UTF-8"'
+CSRF_FIELD = "csrf_token"
+
+
+class AdminConfigError(RuntimeError):
+    """The admin cannot start safely with this configuration (says what to set)."""
+
+
+@dataclass(frozen=True)
+class AdminAuth:
+    """Credentials checked on every request; `None` means no auth (insecure local mode)."""
+
+    username: str
+    password: str | None
+
+    def check(self, header: str | None) -> bool:
+        if self.password is None:
+            return True
+        scheme, _, value = (header or "").partition(" ")
+        if scheme.lower() != "basic" or not value:
+            return False
+        try:
+            user, sep, pw = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        # Compare both parts always, in constant time, so timing tells nothing about either.
+        ok_user = secrets.compare_digest(user.encode(), self.username.encode())
+        ok_pw = secrets.compare_digest(pw.encode(), self.password.encode())
+        return bool(sep) and ok_user and ok_pw
+
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def fmt_ts(value: datetime | None) -> str:
+    if value is None:
+        return ""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value.tzinfo else value.isoformat()
+
+
+def fmt_ago(value: datetime | None) -> str:
+    """Relative time ("3m ago", "in 20s") for a timestamptz."""
+    if value is None:
+        return ""
+    now = datetime.now(UTC) if value.tzinfo else datetime.now()
+    secs = (now - value).total_seconds()
+    future, secs = secs < 0, abs(secs)
+    if secs < 60:
+        text = f"{secs:.0f}s"
+    elif secs < 3600:
+        text = f"{secs / 60:.0f}m"
+    elif secs < 86400:
+        text = f"{secs / 3600:.1f}h"
+    else:
+        text = f"{secs / 86400:.1f}d"
+    return f"in {text}" if future else f"{text} ago"
+
+
+def make_templates() -> Jinja2Templates:
+    t = Jinja2Templates(directory=str(TEMPLATES))
+    t.env.filters["ts"] = fmt_ts
+    t.env.filters["ago"] = fmt_ago
+    t.env.filters["short"] = short_json
+    return t
+
+
+# ------------------------------------------------------------------------------- the app
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    insecure: bool = False,
+    secret: str | None = None,
+) -> FastAPI:
+    """Build the admin app. Refuses to build without `ADMIN_PASSWORD` unless `insecure`."""
+    settings = settings or get_settings()
+    password = settings.admin_password.get_secret_value() if settings.admin_password else None
+    if not password and not insecure:
+        raise AdminConfigError(
+            "ADMIN_PASSWORD is not set: set ADMIN_PASSWORD (and optionally ADMIN_USERNAME, "
+            "default 'admin'), or run `proj admin --insecure-local` on 127.0.0.1 only"
+        )
+    auth = AdminAuth(settings.admin_username, None if insecure and not password else password)
+    if secret is None:
+        secret = settings.admin_secret.get_secret_value() if settings.admin_secret else None
+    # A random secret is safe, it only logs everyone out (new CSRF token) on restart.
+    secret = secret or secrets.token_urlsafe(32)
+
+    import proj.celery  # noqa: F401  - registers kinds (versions page, compensation, timeline hooks)
+
+    templates = make_templates()
+    app = FastAPI(title="proj admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(
+        SessionMiddleware,
+        secret_key=secret,
+        session_cookie="proj_admin",
+        max_age=12 * 3600,
+        same_site="strict",
+        https_only=False,
+    )
+    app.state.auth = auth
+
+    def require_auth(request: Request) -> None:
+        if not auth.check(request.headers.get("authorization")):
+            raise HTTPException(401, "authentication required", headers={"WWW-Authenticate": REALM})
+
+    async def require_csrf(request: Request) -> None:
+        """A POST must carry the session's token: a cross-site form cannot read it."""
+        form = await request.form()
+        sent = form.get(CSRF_FIELD)
+        expected = request.session.get("csrf")
+        if not expected or not isinstance(sent, str) or not secrets.compare_digest(sent, expected):
+            raise HTTPException(403, "CSRF token missing or invalid: reload the page and try again")
+
+    def csrf_token(request: Request) -> str:
+        token = request.session.get("csrf")
+        if not token:
+            token = secrets.token_urlsafe(32)
+            request.session["csrf"] = token
+        return token
+
+    def flash(request: Request, message: str, level: str = "ok") -> None:
+        request.session.setdefault("flash", []).append([level, message])
+        request.session["flash"] = request.session["flash"][-5:]
+
+    def render(request: Request, name: str, status_code: int = 200, **ctx: Any) -> Response:
+        base = {
+            "csrf": csrf_token(request),
+            "csrf_field": CSRF_FIELD,
+            "flashes": request.session.pop("flash", []),
+            "user": auth.username if auth.password else None,
+            "nav": name.removesuffix(".html"),
+        }
+        return templates.TemplateResponse(request, name, {**base, **ctx}, status_code=status_code)
+
+    def run_id_or_404(value: str) -> uuid.UUID:
+        rid = queries.parse_uuid(value)
+        if rid is None:
+            raise HTTPException(404, f"no run {value}")
+        return rid
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/admin", status_code=307)
+
+    @app.get("/admin/healthz", include_in_schema=False)
+    def healthz() -> PlainTextResponse:
+        """Liveness without credentials: says nothing but "ok"."""
+        return PlainTextResponse("ok")
+
+    r = APIRouter(prefix="/admin", dependencies=[Depends(require_auth)])
+
+    @r.get("", response_class=HTMLResponse)
+    def runs_page(
+        request: Request, kind: str = "", version: str = "", status: str = "", q: str = "", page: int = 0
+    ) -> Response:
+        f = queries.RunFilter(kind=kind, version=version, status=status, q=q, page=max(0, page))
+        with db.transaction() as s:
+            rows, more = queries.list_runs(s, f)
+            facets = queries.facets(s)
+            counts = queries.status_counts(s)
+        return render(request, "runs.html", rows=rows, more=more, f=f, facets=facets, counts=counts)
+
+    @r.get("/runs/{run_id}", response_class=HTMLResponse)
+    def run_page(request: Request, run_id: str) -> Response:
+        rid = run_id_or_404(run_id)
+        with db.transaction() as s:
+            detail = queries.run_detail(s, rid)
+        if detail is None:
+            return render(request, "missing.html", status_code=404, what=f"run {run_id}")
+        return render(request, "run.html", d=detail, run=detail.run)
+
+    @r.get("/runs/{run_id}/progress.json")
+    def run_progress(run_id: str) -> JSONResponse:
+        rid = run_id_or_404(run_id)
+        with db.transaction() as s:
+            data = queries.progress_json(s, rid)
+        if data is None:
+            raise HTTPException(404, f"no run {run_id}")
+        return JSONResponse(data, headers={"Cache-Control": "no-store"})
+
+    @r.post("/runs/{run_id}/retry", dependencies=[Depends(require_csrf)])
+    def retry(request: Request, run_id: str) -> RedirectResponse:
+        from proj.engine import runs
+
+        rid = run_id_or_404(run_id)
+        n = runs.retry_failed(rid)
+        if n:
+            flash(request, f"retrying {n} failed step(s) of {rid}")
+        else:
+            flash(request, f"{rid} is not a failed run: nothing to retry", "warn")
+        return RedirectResponse(f"/admin/runs/{rid}", status_code=303)
+
+    @r.post("/runs/{run_id}/abandon", dependencies=[Depends(require_csrf)])
+    def abandon(request: Request, run_id: str, reason: str = Form("operator")) -> RedirectResponse:
+        from proj.engine import runs
+
+        rid = run_id_or_404(run_id)
+        runs.abandon(rid, (reason or "operator").strip()[:500])
+        flash(request, f"abandoned {rid}: compensation queued if the kind has one")
+        return RedirectResponse(f"/admin/runs/{rid}", status_code=303)
+
+    @r.post("/runs/{run_id}/cancel", dependencies=[Depends(require_csrf)])
+    def cancel(request: Request, run_id: str, reason: str = Form("operator")) -> RedirectResponse:
+        from proj.engine import runs
+
+        rid = run_id_or_404(run_id)
+        try:
+            runs.cancel(rid, (reason or "operator").strip()[:500])
+        except KeyError as exc:
+            raise HTTPException(404, f"no run {run_id}") from exc
+        flash(request, f"cancel requested for {rid}")
+        return RedirectResponse(f"/admin/runs/{rid}", status_code=303)
+
+    @r.post("/signal", dependencies=[Depends(require_csrf)])
+    def send_signal(request: Request, topic: str = Form(...)) -> RedirectResponse:
+        from proj.engine import runs
+        from proj.engine.errors import BadTopic
+
+        try:
+            woken = runs.signal(topic.strip())
+        except BadTopic as exc:
+            flash(request, str(exc), "error")
+        else:
+            flash(request, f"signal {topic}: {woken} run(s) woken")
+        return RedirectResponse("/admin/parked", status_code=303)
+
+    @r.get("/dead", response_class=HTMLResponse)
+    def dead_page(request: Request) -> Response:
+        with db.transaction() as s:
+            letters = queries.dead_letters(s)
+        return render(request, "dead.html", letters=letters)
+
+    @r.get("/versions", response_class=HTMLResponse)
+    def versions_page(request: Request) -> Response:
+        with db.transaction() as s:
+            matrix = queries.version_matrix(s)
+        return render(request, "versions.html", matrix=matrix, statuses=queries.RUN_STATUSES)
+
+    @r.get("/outbox", response_class=HTMLResponse)
+    def outbox_page(request: Request) -> Response:
+        with db.transaction() as s:
+            box = queries.outbox_summary(s)
+        return render(request, "outbox.html", box=box)
+
+    @r.get("/parked", response_class=HTMLResponse)
+    def parked_page(request: Request) -> Response:
+        with db.transaction() as s:
+            rows, topics = queries.parked_runs(s)
+        return render(request, "parked.html", rows=rows, topics=topics)
+
+    app.include_router(r)
+    return app

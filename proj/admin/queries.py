@@ -1,0 +1,350 @@
+"""Read models for the admin pages: plain SQL over the engine tables (and outbox, if present).
+
+Kept apart from the routes so the CLI (`proj outbox`, `proj show`) reads the same numbers.
+Tables owned by other packages (`outbox.outbox_event`, `ledger.asset_operation`) are probed with
+`to_regclass` first: the admin must render on a database where they are not migrated yet.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj.admin.timeline import RunInfo, TimelineEvent, build_timeline, has_hook
+from proj.engine.models import RUN_STATUSES
+
+ACTIVE = ("pending", "running", "waiting")
+PAGE = 50
+
+
+def table_exists(s: Session, qualified: str) -> bool:
+    return bool(s.scalar(text("SELECT to_regclass(:t) IS NOT NULL"), {"t": qualified}))
+
+
+def parse_uuid(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value.strip())
+    except (ValueError, AttributeError):
+        return None
+
+
+# ------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class RunFilter:
+    """The runs list's filters; empty strings mean "any"."""
+
+    kind: str = ""
+    version: str = ""
+    status: str = ""
+    q: str = ""
+    page: int = 0
+
+
+def list_runs(s: Session, f: RunFilter, limit: int = PAGE) -> tuple[list[Any], bool]:
+    """Newest first; `q` matches a run id (or its prefix) or part of the idempotency key."""
+    where, params = ["true"], {"limit": limit + 1, "offset": max(0, f.page) * limit}
+    if f.kind:
+        where.append("kind = :kind")
+        params["kind"] = f.kind
+    if f.version.strip().isdigit():
+        where.append("version = :version")
+        params["version"] = int(f.version)
+    if f.status in RUN_STATUSES:
+        where.append("status = :status")
+        params["status"] = f.status
+    q = f.q.strip()
+    if q:
+        exact = parse_uuid(q)
+        if exact is not None:
+            where.append("(id = :rid OR idempotency_key = :q)")
+            params["rid"] = exact
+            params["q"] = q
+        else:
+            like = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            where.append("(id::text LIKE :prefix OR idempotency_key ILIKE :pat)")
+            params["prefix"] = like.lower() + "%"
+            params["pat"] = "%" + like + "%"
+    rows = s.execute(
+        text(
+            "SELECT id, kind, version, status, current_step, idempotency_key, created_at, "
+            "updated_at, finished_at, cancel_requested_at, last_error FROM engine.task_run "
+            f"WHERE {' AND '.join(where)} ORDER BY created_at DESC, id LIMIT :limit OFFSET :offset"
+        ),
+        params,
+    ).all()
+    return rows[:limit], len(rows) > limit
+
+
+def facets(s: Session) -> dict[str, list[Any]]:
+    """Values present in the table, for the filter drop-downs."""
+    kinds = s.scalars(text("SELECT DISTINCT kind FROM engine.task_run ORDER BY kind")).all()
+    versions = s.scalars(text("SELECT DISTINCT version FROM engine.task_run ORDER BY version")).all()
+    return {"kinds": list(kinds), "versions": list(versions), "statuses": list(RUN_STATUSES)}
+
+
+def status_counts(s: Session) -> dict[str, int]:
+    rows = s.execute(text("SELECT status, count(*) FROM engine.task_run GROUP BY status")).all()
+    return {r[0]: int(r[1]) for r in rows}
+
+
+@dataclass
+class RunDetail:
+    """Everything `/admin/runs/{id}` shows."""
+
+    run: Any
+    info: RunInfo
+    stages: list[dict[str, Any]]
+    timeline: list[TimelineEvent]
+    parked: dict[str, Any] | None
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    has_hook: bool = False
+
+
+def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    """Live progress of the run's running steps (`engine.step.progress`: done/total/message)."""
+    rows = s.execute(
+        text(
+            "SELECT name, item_index, status, progress FROM engine.step "
+            "WHERE run_id = :id AND progress IS NOT NULL AND status = 'running' "
+            "ORDER BY stage, item_index"
+        ),
+        {"id": run_id},
+    ).all()
+    out = []
+    for r in rows:
+        p = r.progress or {}
+        done, total = p.get("done"), p.get("total")
+        pct = None
+        if isinstance(done, int | float) and isinstance(total, int | float) and total > 0:
+            pct = max(0.0, min(100.0, 100.0 * done / total))
+        out.append(
+            {
+                "step": r.name,
+                "item": r.item_index,
+                "done": done,
+                "total": total,
+                "pct": None if pct is None else round(pct, 1),
+                "message": p.get("message"),
+            }
+        )
+    return out
+
+
+def stages_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
+    """Per stage: the step name and how many of its items are in each state (from `engine.step`)."""
+    rows = s.execute(
+        text(
+            "SELECT stage, name, status, count(*) AS n, max(attempts) AS attempts, "
+            "max(max_attempts) AS max_attempts FROM engine.step WHERE run_id = :id "
+            "GROUP BY stage, name, status ORDER BY stage, name"
+        ),
+        {"id": run_id},
+    ).all()
+    stages: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in rows:
+        st = stages.setdefault(
+            (r.stage, r.name), {"stage": r.stage, "name": r.name, "counts": {}, "attempts": 0}
+        )
+        st["counts"][r.status] = int(r.n)
+        st["attempts"] = max(st["attempts"], r.attempts or 0)
+        st["max_attempts"] = r.max_attempts
+    return list(stages.values())
+
+
+def parked_step(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
+    row = s.execute(
+        text(
+            "SELECT name, wait_topic, wait_until, wait_since, wakeups FROM engine.step "
+            "WHERE run_id = :id AND status = 'waiting' ORDER BY stage LIMIT 1"
+        ),
+        {"id": run_id},
+    ).first()
+    return dict(row._mapping) if row else None
+
+
+def load_run(s: Session, run_id: uuid.UUID) -> Any:
+    return s.execute(text("SELECT * FROM engine.task_run WHERE id = :id"), {"id": run_id}).first()
+
+
+def run_detail(s: Session, run_id: uuid.UUID) -> RunDetail | None:
+    run = load_run(s, run_id)
+    if run is None:
+        return None
+    info = RunInfo.from_row(run)
+    parked = parked_step(s, run_id) if run.status == "waiting" else None
+    return RunDetail(
+        run=run,
+        info=info,
+        stages=stages_of(s, run_id),
+        timeline=build_timeline(s, info, parked),
+        parked=parked,
+        progress=progress_of(s, run_id),
+        has_hook=has_hook(info.kind),
+    )
+
+
+def progress_json(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
+    """What the run page polls: status, current step and live progress."""
+    row = s.execute(
+        text("SELECT status, current_step, updated_at FROM engine.task_run WHERE id = :id"),
+        {"id": run_id},
+    ).first()
+    if row is None:
+        return None
+    return {
+        "status": row.status,
+        "current_step": row.current_step,
+        "updated_at": row.updated_at.isoformat(),
+        "terminal": row.status not in ACTIVE,
+        "progress": progress_of(s, run_id),
+    }
+
+
+# ------------------------------------------------------------------------------ dead letters
+
+
+@dataclass
+class DeadLetter:
+    """A failed run with what an operator needs to decide: error, failed step, business context."""
+
+    run: Any
+    failed_steps: list[Any]
+    context: list[TimelineEvent]
+
+
+def dead_letters(s: Session, limit: int = PAGE) -> list[DeadLetter]:
+    runs = s.execute(
+        text(
+            "SELECT * FROM engine.task_run WHERE status = 'failed' "
+            "ORDER BY finished_at DESC NULLS LAST, created_at DESC LIMIT :limit"
+        ),
+        {"limit": limit},
+    ).all()
+    out = []
+    for run in runs:
+        failed = s.execute(
+            text(
+                "SELECT name, item_index, attempts, max_attempts, error, finished_at FROM engine.step "
+                "WHERE run_id = :id AND status = 'failed' ORDER BY stage, item_index"
+            ),
+            {"id": run.id},
+        ).all()
+        info = RunInfo.from_row(run)
+        # Business context = the business part of the timeline (the hook's or the ledger's).
+        events = [e for e in build_timeline(s, info) if e.source != "run"]
+        out.append(DeadLetter(run=run, failed_steps=list(failed), context=events[-6:]))
+    return out
+
+
+# ---------------------------------------------------------------------------------- versions
+
+
+def version_matrix(s: Session) -> list[dict[str, Any]]:
+    """Runs per kind@version × status; a non-current version with live runs is *draining*."""
+    from proj.engine.kind import all_kinds
+
+    newest: dict[str, int] = {}
+    for k in all_kinds():
+        newest[k.name] = max(newest.get(k.name, 0), k.version)
+    rows = s.execute(
+        text(
+            "SELECT kind, version, status, count(*) AS n, min(created_at) FILTER "
+            "(WHERE status IN ('pending','running','waiting')) AS oldest_active "
+            "FROM engine.task_run GROUP BY kind, version, status ORDER BY kind, version"
+        )
+    ).all()
+    table: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        e = table.setdefault(
+            (r.kind, r.version),
+            {"kind": r.kind, "version": r.version, "counts": {}, "active": 0, "oldest_active": None},
+        )
+        e["counts"][r.status] = int(r.n)
+        if r.status in ACTIVE:
+            e["active"] += int(r.n)
+            if r.oldest_active and (e["oldest_active"] is None or r.oldest_active < e["oldest_active"]):
+                e["oldest_active"] = r.oldest_active
+    for (kind, version), e in table.items():
+        current = newest.get(kind)
+        e["current"] = current
+        if current is None:
+            e["state"] = "unknown" if e["active"] else "retired"
+        elif version < current:
+            e["state"] = "draining" if e["active"] else "drained"
+        else:
+            e["state"] = "current"
+    return list(table.values())
+
+
+# ------------------------------------------------------------------------------------ parked
+
+
+def parked_runs(s: Session, limit: int = 200) -> tuple[list[Any], list[Any]]:
+    """Waiting steps with their topic and timer, and per topic: how many wait, last signal."""
+    rows = s.execute(
+        text(
+            "SELECT r.id AS run_id, r.kind, r.version, r.idempotency_key, s.name, s.wait_topic, "
+            "s.wait_until, s.wait_since, s.wakeups FROM engine.step s JOIN engine.task_run r "
+            "ON r.id = s.run_id WHERE s.status = 'waiting' ORDER BY s.wait_until NULLS LAST LIMIT :limit"
+        ),
+        {"limit": limit},
+    ).all()
+    topics = s.execute(
+        text(
+            "SELECT s.wait_topic AS topic, count(*) AS n, min(s.wait_until) AS next_timer, "
+            "(SELECT max(created_at) FROM engine.task_signal g WHERE g.topic = s.wait_topic) "
+            "AS last_signal FROM engine.step s WHERE s.status = 'waiting' "
+            "GROUP BY s.wait_topic ORDER BY n DESC, topic"
+        )
+    ).all()
+    return list(rows), list(topics)
+
+
+# ------------------------------------------------------------------------------------ outbox
+
+OUTBOX = "outbox.outbox_event"
+
+
+@dataclass
+class OutboxSummary:
+    """Backlog of the transactional outbox; `present=False` when its table does not exist."""
+
+    present: bool
+    counts: dict[str, int] = field(default_factory=dict)
+    oldest_pending: Any = None
+    pending: list[Any] = field(default_factory=list)
+    dead: list[Any] = field(default_factory=list)
+
+
+def outbox_summary(s: Session, limit: int = PAGE) -> OutboxSummary:
+    if not table_exists(s, OUTBOX):
+        return OutboxSummary(present=False)
+    counts = {
+        r[0]: int(r[1])
+        for r in s.execute(text(f"SELECT status, count(*) FROM {OUTBOX} GROUP BY status")).all()
+    }
+    cols = "id, kind, idempotency_key, payload, status, attempts, next_attempt_at, last_error"
+    pending = s.execute(
+        text(
+            f"SELECT {cols}, now() - next_attempt_at AS overdue FROM {OUTBOX} "
+            "WHERE status = 'pending' ORDER BY id LIMIT :limit"
+        ),
+        {"limit": limit},
+    ).all()
+    dead = s.execute(
+        text(f"SELECT {cols} FROM {OUTBOX} WHERE status = 'dead' ORDER BY id DESC LIMIT :limit"),
+        {"limit": limit},
+    ).all()
+    return OutboxSummary(
+        present=True,
+        counts=counts,
+        oldest_pending=pending[0] if pending else None,
+        pending=list(pending),
+        dead=list(dead),
+    )
