@@ -27,7 +27,8 @@ def migrate_to_head() -> str:
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (workers never migrate on start)."""
-    head = migrate_to_head()
+    with console.status("migrating the database …"):
+        head = migrate_to_head()
     console.print(f"[green]schema at {head}[/green]")
 
 
@@ -39,50 +40,91 @@ def sweep() -> None:
     console.print_json(json.dumps(do_sweep().__dict__))
 
 
+STATUS_STYLE = {
+    "succeeded": "green",
+    "failed": "bold red",
+    "canceled": "yellow",
+    "waiting": "magenta",
+    "running": "cyan",
+    "pending": "white",
+}
+
+
 @cli.command()
-def show(run_id: str) -> None:
-    """Show one run."""
+def show(run_id: str, as_json: bool = typer.Option(False, "--json", help="the raw TaskRunView")) -> None:
+    """Show one run: status, business timeline, steps and live progress."""
+    from proj import db
+    from proj.admin import queries
     from proj.engine import runs
 
-    view = runs.get(uuid.UUID(run_id))
+    rid = queries.parse_uuid(run_id)
+    view = runs.get(rid) if rid else None
     if view is None:
         console.print(f"[red]no run {run_id}[/red]")
         raise typer.Exit(1)
-    console.print_json(json.dumps(view.__dict__, default=str))
+    if as_json:
+        console.print_json(json.dumps(view.__dict__, default=str))
+        return
+    import proj.celery  # noqa: F401  - kinds register their timeline hooks
+
+    with db.transaction() as s:
+        d = queries.run_detail(s, view.id)
+    assert d is not None
+    style = STATUS_STYLE.get(view.status, "white")
+    head = Table.grid(padding=(0, 2))
+    head.add_row("run", f"{view.id}  {view.kind}@{view.version}  [{style}]{view.status}[/{style}]")
+    head.add_row("key", d.run.idempotency_key)
+    head.add_row("step", f"{view.current_step or '-'} (attempt {view.attempts})")
+    if view.wait_topic:
+        head.add_row("parked", f"{view.wait_topic} until {view.wait_until}")
+    if view.pending_reason:
+        head.add_row("stuck?", f"[yellow]{view.pending_reason}[/yellow]")
+    if view.last_error:
+        head.add_row("error", f"[red]{view.last_error.get('type')}: {view.last_error.get('message')}[/red]")
+    console.print(head)
+    for p in d.progress:
+        pct = f"{p['pct']:.1f}%" if p["pct"] is not None else "?"
+        console.print(f"progress {p['step']}: {pct} {p['message'] or ''}")
+    timeline = Table("when", "source", "event", "detail", title="business timeline", title_justify="left")
+    colors = {"ok": "green", "error": "red", "warn": "yellow", "active": "cyan", "info": "white"}
+    for e in d.timeline:
+        c = colors.get(e.state, "white")
+        when = e.at.strftime("%Y-%m-%d %H:%M:%S") if e.at else "-"
+        timeline.add_row(when, e.source, f"[{c}]{e.title}[/{c}]", e.detail)
+    console.print(timeline)
+    if view.status == "failed":
+        console.print(f"decide with: proj resolve {view.id} --retry | --abandon")
 
 
 @cli.command("runs")
-def list_runs(kind: str | None = None, status: str | None = None, limit: int = typer.Option(20)) -> None:
+def list_runs(
+    kind: str | None = None,
+    version: int | None = None,
+    status: str | None = None,
+    search: str | None = typer.Option(None, "--search", "-q", help="run id (prefix) or part of a key"),
+    limit: int = typer.Option(20),
+) -> None:
     """List recent runs, newest first."""
-    from sqlalchemy import text
-
     from proj import db
+    from proj.admin import queries
 
-    where, params = ["true"], {"limit": limit}
-    if kind:
-        where.append("kind = :kind")
-        params["kind"] = kind
-    if status:
-        where.append("status = :status")
-        params["status"] = status
+    f = queries.RunFilter(kind=kind or "", version=str(version or ""), status=status or "", q=search or "")
     with db.transaction() as s:
-        rows = s.execute(
-            text(
-                "SELECT id, kind, version, status, current_step, created_at FROM engine.task_run "
-                f"WHERE {' AND '.join(where)} ORDER BY created_at DESC LIMIT :limit"
-            ),
-            params,
-        ).all()
-    table = Table("run", "kind", "status", "step", "created")
+        rows, more = queries.list_runs(s, f, limit=limit)
+    table = Table("run", "kind", "status", "step", "key", "created")
     for r in rows:
+        style = STATUS_STYLE.get(r.status, "white")
         table.add_row(
             str(r.id),
             f"{r.kind}@{r.version}",
-            r.status,
+            f"[{style}]{r.status}[/{style}]",
             r.current_step or "",
+            r.idempotency_key if len(r.idempotency_key) <= 40 else r.idempotency_key[:39] + "…",
             r.created_at.isoformat(timespec="seconds"),
         )
     console.print(table)
+    if more:
+        console.print(f"[dim]more than {limit}: use --limit or filters[/dim]")
 
 
 @cli.command()
@@ -121,6 +163,92 @@ def resolve(
     else:
         runs.abandon(rid, "operator")
         console.print("abandoned")
+
+
+@cli.command()
+def outbox(limit: int = typer.Option(10, help="dead events to list")) -> None:
+    """Outbox backlog: pending/dispatched/dead counts, the oldest pending event, dead events."""
+    from proj import db
+    from proj.admin import queries
+
+    with db.transaction() as s:
+        box = queries.outbox_summary(s, limit=limit)
+    if not box.present:
+        console.print(
+            "[yellow]no outbox table (outbox.outbox_event) in this database: run `proj migrate`[/yellow]"
+        )
+        return
+    counts = Table("status", "events")
+    for st in ("pending", "dispatched", "dead"):
+        counts.add_row(st, str(box.counts.get(st, 0)))
+    console.print(counts)
+    if box.oldest_pending is not None:
+        e = box.oldest_pending
+        console.print(
+            f"oldest pending: #{e.id} {e.kind} key={e.idempotency_key} attempts={e.attempts} "
+            f"next attempt {e.next_attempt_at.isoformat(timespec='seconds')}"
+        )
+    if box.dead:
+        dead = Table("id", "kind", "key", "attempts", "last error", title="dead events", title_justify="left")
+        for e in box.dead:
+            err = (
+                e.last_error.get("message", e.last_error) if isinstance(e.last_error, dict) else e.last_error
+            )
+            dead.add_row(str(e.id), e.kind, e.idempotency_key, str(e.attempts), str(err or "")[:120])
+        console.print(dead)
+
+
+@cli.command()
+def doctor() -> None:
+    """Check Postgres, the broker, qBittorrent, the schema and the connection budget; say what to fix."""
+    from proj.doctor import run_checks
+
+    with console.status("checking …") as status:
+        checks = run_checks(on_check=lambda name: status.update(f"checking {name} …"))
+    table = Table("check", "status", "detail", "fix")
+    colors = {"OK": "green", "FAIL": "bold red", "WARN": "yellow", "SKIP": "dim"}
+    for c in checks:
+        col = colors[c.status]
+        table.add_row(c.name, f"[{col}]{c.status}[/{col}]", c.detail, "" if c.status == "OK" else c.fix)
+    console.print(table)
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    if failed:
+        console.print(f"[bold red]{len(failed)} check(s) failed: {', '.join(failed)}[/bold red]")
+        raise typer.Exit(1)
+    console.print("[green]all checks passed[/green]")
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@cli.command()
+def admin(
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    port: int = typer.Option(8088, help="port to bind"),
+    insecure_local: bool = typer.Option(
+        False, "--insecure-local", help="allow no ADMIN_PASSWORD (no auth); loopback addresses only"
+    ),
+) -> None:
+    """Serve the /admin web app (HTTP Basic auth: ADMIN_USERNAME / ADMIN_PASSWORD)."""
+    import uvicorn
+
+    from proj.admin.app import AdminConfigError, create_app
+
+    if insecure_local and host not in LOOPBACK:
+        console.print(f"[red]--insecure-local binds loopback only, not {host}: set ADMIN_PASSWORD[/red]")
+        raise typer.Exit(2)
+    try:
+        app = create_app(insecure=insecure_local)
+    except AdminConfigError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    who = (
+        "no auth (insecure local mode)"
+        if app.state.auth.password is None
+        else f"user {app.state.auth.username}"
+    )
+    console.print(f"admin on http://{host}:{port}/admin ({who})")
+    uvicorn.run(app, host=host, port=port, log_level="info", proxy_headers=False, server_header=False)
 
 
 @cli.command("lock-steps")

@@ -1,0 +1,201 @@
+"""`proj doctor`: check what a deployment needs and say what to fix, one line per check.
+
+Each check is independent and bounded in time (a few seconds at most), so a dead dependency is
+reported instead of hanging. URLs are shown with their passwords masked; secrets never print.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from proj.settings import Settings, get_settings
+
+Status = Literal["OK", "FAIL", "WARN", "SKIP"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One result: `fix` says what to do when the status is not OK."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def mask_url(url: str | None) -> str:
+    """The URL with any password replaced by `***`."""
+    if not url:
+        return "(not set)"
+    from kombu.utils.url import maybe_sanitize_url
+
+    return str(maybe_sanitize_url(url, mask="***"))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of an error: the driver's own exception if wrapped, first line, bounded."""
+    exc = getattr(exc, "orig", None) or exc
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def check_postgres(settings: Settings) -> Check:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    try:
+        url = settings.require_database_url()
+    except RuntimeError as exc:
+        return Check("postgres", "FAIL", "DATABASE_URL is not set", str(exc))
+    shown = mask_url(settings.database_url)
+    engine = create_engine(
+        url, poolclass=NullPool, connect_args={"connect_timeout": 3, "application_name": "proj-doctor"}
+    )
+    try:
+        with engine.connect() as conn:
+            version = conn.scalar(text("SHOW server_version"))
+        return Check("postgres", "OK", f"{shown}: PostgreSQL {version}")
+    except Exception as exc:
+        return Check(
+            "postgres",
+            "FAIL",
+            f"{shown}: {_first_line(exc)}",
+            "start PostgreSQL or correct DATABASE_URL (host, port, user, database must exist)",
+        )
+    finally:
+        engine.dispose()
+
+
+def check_broker(settings: Settings) -> Check:
+    if not settings.broker_url:
+        return Check("broker", "FAIL", "BROKER_URL is not set", "set BROKER_URL=redis://127.0.0.1:6379/0")
+    from kombu import Connection
+
+    shown = mask_url(settings.broker_url)
+    try:
+        with Connection(settings.broker_url, connect_timeout=3) as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=5)
+            with conn.channel() as channel:  # a real round trip, not just a socket
+                client = getattr(channel, "client", None)
+                if client is not None and hasattr(client, "ping"):
+                    client.ping()
+        return Check("broker", "OK", f"{shown}: reachable ({conn.transport_cls})")
+    except Exception as exc:
+        return Check(
+            "broker",
+            "FAIL",
+            f"{shown}: {_first_line(exc)}",
+            "start Redis (or RabbitMQ) or correct BROKER_URL",
+        )
+
+
+def check_qbittorrent(settings: Settings) -> Check:
+    if not settings.qbt_url:
+        return Check("qbittorrent", "SKIP", "QBT_URL is not set", "set QBT_URL to check qBittorrent's Web UI")
+    import qbittorrentapi
+
+    client = qbittorrentapi.Client(
+        host=settings.qbt_url,
+        username=settings.qbt_username or "",
+        password=settings.qbt_password.get_secret_value() if settings.qbt_password else "",
+        REQUESTS_ARGS={"timeout": (3, 5)},
+        DISABLE_LOGGING_DEBUG_OUTPUT=True,
+    )
+    try:
+        client.auth_log_in()
+        version = client.app_version()
+        return Check("qbittorrent", "OK", f"{mask_url(settings.qbt_url)}: qBittorrent {version}")
+    except qbittorrentapi.LoginFailed:
+        return Check(
+            "qbittorrent",
+            "FAIL",
+            f"{mask_url(settings.qbt_url)}: login refused",
+            "check QBT_USERNAME / QBT_PASSWORD (qBittorrent → Options → Web UI)",
+        )
+    except Exception as exc:
+        return Check(
+            "qbittorrent",
+            "FAIL",
+            f"{mask_url(settings.qbt_url)}: {_first_line(exc)}",
+            "start qbittorrent-nox with its Web UI enabled, or correct QBT_URL",
+        )
+
+
+def check_schema() -> Check:
+    from proj.engine import preflight
+    from proj.engine.errors import SchemaBehind
+
+    try:
+        preflight.check_schema()
+        return Check("schema", "OK", f"at head {preflight.head_revision()}")
+    except SchemaBehind as exc:
+        return Check("schema", "FAIL", str(exc).split(":")[0], "run `proj migrate`")
+    except Exception as exc:
+        return Check("schema", "FAIL", _first_line(exc), "fix the postgres check first")
+
+
+def check_budget(settings: Settings) -> Check:
+    from proj.engine.errors import ConnectionBudgetExceeded
+    from proj.engine.preflight import check_connection_budget
+
+    try:
+        b = check_connection_budget(settings)
+        return Check(
+            "connection budget",
+            "OK",
+            f"worst case {b.worst_case} of {b.max_connections} connections "
+            f"({b.processes} processes x {b.per_process} + {b.reserved} reserved)",
+        )
+    except ConnectionBudgetExceeded as exc:
+        detail, _, fix = str(exc).partition(": lower")
+        return Check("connection budget", "FAIL", detail, "lower" + fix if fix else str(exc))
+    except Exception as exc:
+        return Check("connection budget", "FAIL", _first_line(exc), "fix the postgres check first")
+
+
+def check_workers(settings: Settings) -> Check:
+    """Informational: a worker answering a ping, and the queues it consumes."""
+    try:
+        from proj.celery import app
+
+        replies = app.control.inspect(timeout=1.0).active_queues() or {}
+    except Exception as exc:
+        return Check("workers", "WARN", _first_line(exc), "fix the broker check first")
+    if not replies:
+        return Check("workers", "WARN", "no worker answered within 1 s", "start `celery -A proj worker`")
+    queues = sorted({q["name"] for qs in replies.values() for q in qs})
+    return Check("workers", "OK", f"{len(replies)} worker(s); queues: {', '.join(queues)}")
+
+
+def run_checks(
+    settings: Settings | None = None, on_check: Callable[[str], None] | None = None
+) -> list[Check]:
+    """All checks, in dependency order; schema and budget need Postgres, workers the broker."""
+    settings = settings or get_settings()
+    results: list[Check] = []
+
+    def run(name: str, fn: Callable[[], Check]) -> Check:
+        if on_check:
+            on_check(name)
+        started = time.monotonic()
+        c = fn()
+        if time.monotonic() - started > 10:  # pragma: no cover - visible slowness is a finding too
+            c = Check(c.name, c.status, c.detail + " (slow)", c.fix)
+        results.append(c)
+        return c
+
+    pg = run("postgres", lambda: check_postgres(settings))
+    broker = run("broker", lambda: check_broker(settings))
+    run("qbittorrent", lambda: check_qbittorrent(settings))
+    if pg.status == "OK":
+        run("schema", check_schema)
+        run("connection budget", lambda: check_budget(settings))
+    else:
+        results.append(Check("schema", "SKIP", "needs postgres", "fix the postgres check first"))
+        results.append(Check("connection budget", "SKIP", "needs postgres", "fix the postgres check first"))
+    if broker.status == "OK":
+        run("workers", lambda: check_workers(settings))
+    return results

@@ -1,0 +1,135 @@
+"""`proj` CLI: doctor, outbox, runs/show/resolve and the admin command's refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import proj.cli as cli_mod
+from tests.conftest import new_key
+from tests.kinds_admin import ADMIN_DDL
+from tests.support.services import ROOT, scalar, sql, wait_for
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rich wraps table cells at 80 columns; assertions read whole lines."""
+    monkeypatch.setattr(cli_mod, "console", Console(width=250))
+
+
+def proj(*args: str) -> tuple[int, str]:
+    result = runner.invoke(cli_mod.cli, list(args))
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def proj_subprocess(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "COLUMNS": "250", "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "proj.cli", *args], env=full, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_doctor_passes_on_a_healthy_setup() -> None:
+    code, out = proj("doctor")
+    assert code == 0, out
+    for name in ("postgres", "broker", "qbittorrent", "schema", "connection budget"):
+        assert name in out
+    assert "FAIL" not in out and "all checks passed" in out
+    assert "at head" in out and "worst case" in out
+
+
+def test_doctor_says_what_to_fix_and_hides_passwords() -> None:
+    r = proj_subprocess(
+        "doctor",
+        env={
+            "DATABASE_URL": "postgresql://u:hunter2@127.0.0.1:1/nope",
+            "BROKER_URL": "redis://:hunter3@127.0.0.1:1/0",
+            "QBT_URL": "http://127.0.0.1:1",
+            "QBT_PASSWORD": "hunter4",
+        },
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "start PostgreSQL or correct DATABASE_URL" in out
+    assert "start Redis (or RabbitMQ) or correct BROKER_URL" in out
+    assert "start qbittorrent-nox" in out
+    assert "3 check(s) failed: postgres, broker, qbittorrent" in out
+    assert "hunter" not in out, "a password reached the output"
+
+
+def test_doctor_fails_an_impossible_connection_budget() -> None:
+    r = proj_subprocess("doctor", env={"EXPECTED_WORKERS": "400", "QBT_URL": ""})
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "connection budget │ FAIL" in out and "lower the pools or concurrency" in out
+    assert "postgres          │ OK" in out
+
+
+def test_outbox_counts_and_oldest_pending() -> None:
+    if not scalar("SELECT to_regclass('outbox.outbox_event') IS NOT NULL"):
+        code, out = proj("outbox")
+        assert code == 0 and "no outbox table" in out
+        pytest.skip("outbox table not migrated in this checkout")
+    sql(
+        "INSERT INTO outbox.outbox_event (kind, idempotency_key, payload, status, attempts, last_error) "
+        "VALUES ('notify', 'first', '{}', 'pending', 1, NULL), ('notify', 'second', '{}', 'pending', 0, "
+        "NULL), ('acquire', 'gone', '{}', 'dead', 8, '{\"message\": \"unknown kind acquire\"}'), "
+        "('notify', 'sent', '{}', 'dispatched', 1, NULL)"
+    )
+    code, out = proj("outbox")
+    assert code == 0, out
+    assert "│ pending    │ 2 " in out and "│ dead       │ 1 " in out and "│ dispatched │ 1 " in out
+    assert "oldest pending: #1 notify key=first attempts=1" in out
+    assert "unknown kind acquire" in out
+
+
+def test_runs_show_and_resolve(inproc) -> None:
+    sql(ADMIN_DDL)
+    key = new_key()
+    ref = inproc.enqueue("mendable", {"key": key, "chunks": 2, "chunk_s": 0.01}, idempotency_key="cli-" + key)
+    wait_for(
+        lambda: scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "failed", 20
+    )
+    code, out = proj("runs", "--status", "failed")
+    assert code == 0 and str(ref.task_run_id) in out and "mendable@1" in out
+    code, out = proj("runs", "--search", key[:12])
+    assert str(ref.task_run_id) in out
+    code, out = proj("runs", "--kind", "probe")
+    assert str(ref.task_run_id) not in out
+
+    code, out = proj("show", str(ref.task_run_id))
+    assert code == 0, out
+    assert "business timeline" in out and "created mendable@1" in out and "source for" in out
+    assert f"proj resolve {ref.task_run_id} --retry" in out
+    code, out = proj("show", str(ref.task_run_id), "--json")
+    assert '"status": "failed"' in out
+    assert proj("show", "not-a-run")[0] == 1
+
+    sql("INSERT INTO testkit_admin.fix (key, fixed) VALUES (%s, true)", (key,))
+    code, out = proj("resolve", str(ref.task_run_id), "--retry")
+    assert code == 0 and "1 step(s) sent back" in out
+    wait_for(
+        lambda: scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "succeeded",
+        20,
+    )
+    code, out = proj("show", str(ref.task_run_id))
+    assert "source repaired by operator" in out and "succeeded" in out
+
+
+def test_admin_command_refuses_unsafe_configurations(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proj.settings import get_settings
+
+    monkeypatch.setattr(get_settings(), "admin_password", None)
+    code, out = proj("admin", "--port", "1")
+    assert code == 2 and "ADMIN_PASSWORD is not set" in out
+    code, out = proj("admin", "--insecure-local", "--host", "0.0.0.0", "--port", "1")
+    assert code == 2 and "loopback only" in out
