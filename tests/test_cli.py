@@ -133,3 +133,44 @@ def test_admin_command_refuses_unsafe_configurations(monkeypatch: pytest.MonkeyP
     assert code == 2 and "ADMIN_PASSWORD is not set" in out
     code, out = proj("admin", "--insecure-local", "--host", "0.0.0.0", "--port", "1")
     assert code == 2 and "loopback only" in out
+
+
+def test_admin_command_serves_with_auth_and_never_logs_the_password(tmp_path) -> None:
+    import signal
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secret = "admin-" + new_key()
+    log = tmp_path / "admin.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ADMIN_PASSWORD": secret, "ADMIN_USERNAME": "ops"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proj.cli", "admin", "--port", str(port)],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/admin"
+    try:
+
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(url + "/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, what="proj admin to listen")
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, auth=("ops", "nope")).status_code == 401
+        assert httpx.get(url, auth=("ops", secret)).status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    out = log.read_text()
+    assert f"admin on http://127.0.0.1:{port}/admin (user ops)" in out
+    assert secret not in out
