@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 from celery import Celery, signals
 from kombu import Queue
+from sqlalchemy.orm import Session
 
+import outbox
+from outbox import celery as outbox_celery
 from proj import db
+from proj.engine.errors import IdempotencyConflict
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -41,6 +46,28 @@ app.conf.update(
             "options": {"queue": "engine", "expires": max(5.0, settings.sweep_interval_s * 5)},
         },
     },
+)
+
+
+def _outbox_session() -> Session:  # resolved per call: `db.dispose()` may replace the engine
+    return db.sessions()()
+
+
+def _outbox_engine() -> outbox.Engine:
+    from proj.engine.celery_engine import CeleryTaskEngine
+
+    return CeleryTaskEngine()
+
+
+# Invariant 6: `outbox.dispatch` on the `engine` queue, every beat tick and after each commit that
+# added events. The engine's typed input errors are deterministic: dead after 3 attempts.
+outbox_celery.install(
+    app,
+    session_factory=_outbox_session,
+    engine_factory=_outbox_engine,
+    beat_interval=float(os.environ.get("OUTBOX_BEAT_INTERVAL_S", "1.0")),
+    queue="engine",
+    policy=outbox.RetryPolicy(poison=(ValueError, TypeError, IdempotencyConflict)),
 )
 
 
