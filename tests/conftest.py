@@ -20,7 +20,9 @@ os.environ.setdefault("BROKER_URL", BROKER)
 os.environ.setdefault("LEASE_TTL_S", "3")
 os.environ.setdefault("SWEEP_INTERVAL_S", "0.5")
 os.environ.setdefault("REPUBLISH_AFTER_S", "5")
-os.environ.setdefault("ENGINE_EXTRA_KINDS", "tests.kinds,tests.kinds_effects,tests.kinds_admin")
+os.environ.setdefault(
+    "ENGINE_EXTRA_KINDS", "tests.kinds,tests.kinds_effects,tests.kinds_admin,tests.kinds_limits"
+)
 os.environ.setdefault("DB_POOL_SIZE", "3")
 os.environ.setdefault("DB_MAX_OVERFLOW", "2")
 

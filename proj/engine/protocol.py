@@ -4,6 +4,9 @@ Every delivery of a step message goes through `execute()`:
 
 1. **claim**: one `UPDATE … WHERE status='pending' AND due` takes the step with a fresh lease
    token. A duplicate message, a completed step or a canceled run claims nothing: a no-op.
+   A kind with limits (`global_limit`, `concurrency_limit` per `concurrency_key`) is admitted
+   in the same transaction, under an advisory lock per kind and per key, only if a slot is free
+   and no better-ordered run waits for it; otherwise the step stays `pending` with a reason.
 2. **heartbeat**: the process heartbeat renews the lease while the body runs.
 3. **body**: the kind's function (or a wait check) runs with a `StepContext`.
 4. **fenced commit**: `UPDATE … WHERE id=? AND lease_token=?`. Zero rows means another attempt
@@ -11,6 +14,9 @@ Every delivery of a step message goes through `execute()`:
    (fan-in counted under the run row lock) and creates the next stage's steps.
 5. **publish**: messages for the new steps are sent after commit; a failure leaves
    `published_at` NULL so the sweeper sends them (messages are hints, Postgres is the truth).
+   A limited step that ends its attempt hands its slot to the head of the line (`handoff`).
+
+Every attempt is an OpenTelemetry span in its run's trace (`proj.engine.tracing`).
 """
 
 from __future__ import annotations
@@ -30,12 +36,12 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj import db
-from proj.engine import dispatch
+from proj.engine import dispatch, tracing
 from proj.engine.context import PlanContext, StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, LeaseLost, NonRetryable
 from proj.engine.heartbeat import HEARTBEAT
-from proj.engine.kind import Kind, RetryPolicy, WaitSpec, get_kind
+from proj.engine.kind import Kind, RetryPolicy, WaitSpec, all_kinds, get_kind
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -47,13 +53,14 @@ _CLAIM = text(
     UPDATE engine.step s
        SET status = 'running', lease_token = :tok, lease_owner = :owner,
            lease_until = now() + make_interval(secs => :ttl),
-           attempts = s.attempts + 1, started_at = coalesce(s.started_at, now())
+           attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+           blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
       FROM engine.task_run r
      WHERE s.id = :id AND r.id = s.run_id
        AND s.status = 'pending' AND s.next_attempt_at <= now()
        AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
  RETURNING s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
-           r.kind, r.version, r.input, r.created_at, now()
+           r.kind, r.version, r.input, r.created_at, r.priority, r.concurrency_key, r.trace, now()
     """
 )
 _RUN_STARTED = text(
@@ -99,6 +106,9 @@ class Claim:
     run_created_at: datetime
     claimed_at: datetime
     token: uuid.UUID
+    priority: int = 0
+    concurrency_key: str | None = None
+    trace: dict[str, Any] | None = None
 
 
 def worker_id() -> str:
@@ -122,15 +132,32 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 
 def claim(step_id: int) -> Claim | None:
-    """Take the step's lease if it is pending, due and its run still wants it."""
+    """Take the step's lease if it is pending, due, its run still wants it and a slot is free."""
+    c, kicks = _claim(step_id)
+    dispatch.publish_after_commit(kicks)
+    return c
+
+
+def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
+    """The claim transaction; also returns waiters to wake when a denial saw free slots."""
     token = uuid.uuid4()
+    kicks: list[Dispatch] = []
     with db.transaction() as s:
+        if any_limits():  # kinds without limits never pay for the extra read
+            slot = s.execute(_SLOT_OF, {"id": step_id}).first()
+            if slot is None:
+                return None, []
+            gates = limit_gates(get_kind(slot.kind, slot.version), slot.concurrency_key)
+            if gates:
+                denial, kicks = _admit(s, slot, gates)
+                if denial is not None:
+                    return None, kicks + _deny(s, step_id, denial)
         row = s.execute(
             _CLAIM,
             {"id": step_id, "tok": token, "owner": worker_id(), "ttl": get_settings().lease_ttl_s},
         ).first()
         if row is None:
-            return None
+            return None, []
         s.execute(_RUN_STARTED, {"run": row.run_id, "name": row.name})
         s.execute(_ATTEMPT, {"id": step_id, "attempt": row.attempts, "tok": token, "owner": worker_id()})
     return Claim(
@@ -148,7 +175,187 @@ def claim(step_id: int) -> Claim | None:
         run_created_at=row.created_at,
         claimed_at=row[-1],
         token=token,
+        priority=row.priority,
+        concurrency_key=row.concurrency_key,
+        trace=row.trace,
+    ), kicks
+
+
+# --------------------------------------------------------------------------------------------
+# limits: slots counted in Postgres across all workers
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One limit a claim must pass: the kind's global limit, or its limit per concurrency key."""
+
+    scope: str  # 'global' | 'key'
+    kind: str
+    limit: int
+    key: str | None = None
+
+    @property
+    def lock(self) -> str:
+        return f"gk:{self.kind}" if self.scope == "global" else f"ck:{self.kind}:{self.key}"
+
+    def reason(self, held: int) -> str:
+        if self.scope == "global":
+            return f"waiting for a slot: {self.kind} has {held}/{self.limit} runs in a step (global limit)"
+        return (
+            f"waiting for a slot: concurrency key {self.key!r} of {self.kind} has "
+            f"{held}/{self.limit} runs in a step"
+        )
+
+
+@dataclass(frozen=True)
+class Denial:
+    """Why a claim was refused."""
+
+    gate: Gate
+    held: int
+
+
+def any_limits() -> bool:
+    """Whether any kind known to this process declares a limit."""
+    return any(k.global_limit is not None or k.concurrency_limit is not None for k in all_kinds())
+
+
+def limit_gates(kind: Kind, concurrency_key: str | None) -> list[Gate]:
+    """The limits of a kind, global first (the advisory lock order, so claims never deadlock).
+
+    Keys are scoped to the kind (and shared by its versions). A run without a key (the kind's
+    function returned None) is only under the global limit.
+    """
+    gates: list[Gate] = []
+    if kind.global_limit is not None:
+        gates.append(Gate("global", kind.name, kind.global_limit))
+    if kind.concurrency_limit is not None and concurrency_key is not None:
+        gates.append(Gate("key", kind.name, kind.concurrency_limit, concurrency_key))
+    return gates
+
+
+_SLOT_OF = text(
+    """
+    SELECT r.id AS run_id, r.kind, r.version, r.concurrency_key, r.priority, r.created_at
+      FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
+     WHERE s.id = :id AND s.status = 'pending' AND s.next_attempt_at <= now()
+       AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+    """
+)
+# Slots are counted in runs: fan-out items of a run that already holds one share it.
+_HOLDERS = """
+    SELECT count(DISTINCT h.run_id) AS runs, coalesce(bool_or(h.run_id = CAST(:run AS uuid)), false) AS mine
+      FROM engine.step h JOIN engine.task_run hr ON hr.id = h.run_id
+     WHERE h.status = 'running' AND h.lease_until > now() AND hr.kind = :kind {key}
+"""
+# Waiters: pending, due steps of live runs that were refused recently (`blocked_at` is renewed
+# at each refusal, at least every `republish_after_s`; a step nobody retries loses its place).
+_WAITERS = """
+    SELECT w.id, w.name, wr.kind, wr.version, wr.priority
+      FROM engine.step w JOIN engine.task_run wr ON wr.id = w.run_id
+     WHERE w.status = 'pending' AND w.blocked_at IS NOT NULL AND w.next_attempt_at <= now()
+       AND w.blocked_at > now() - make_interval(secs => :fresh)
+       AND wr.kind = :kind {key} AND wr.status IN ('pending', 'running', 'waiting')
+       AND wr.cancel_requested_at IS NULL {better}
+     ORDER BY wr.priority DESC, wr.created_at, wr.id, w.id
+     LIMIT :n
+"""
+_BETTER = "AND (-wr.priority, wr.created_at, wr.id) < (-CAST(:prio AS int), :created, CAST(:run AS uuid))"
+
+
+def _holders(s: Session, gate: Gate, run_id: uuid.UUID | None = None) -> tuple[int, bool]:
+    """How many runs hold a slot of `gate`, and whether `run_id` is one of them."""
+    key = "AND hr.concurrency_key = :key" if gate.scope == "key" else ""
+    row = s.execute(text(_HOLDERS.format(key=key)), {"kind": gate.kind, "key": gate.key, "run": run_id}).one()
+    return int(row.runs), bool(row.mine)
+
+
+def _waiters(s: Session, gate: Gate, n: int, before: Any = None) -> list[Any]:
+    """Blocked steps in line for `gate`, best first (priority desc, then the oldest run).
+
+    For the global gate only steps refused by the global limit count: one refused by its own
+    key could not use a global slot anyway.
+    """
+    if n <= 0:
+        return []
+    key = "AND wr.concurrency_key = :key" if gate.scope == "key" else "AND w.blocked_on = 'global'"
+    params: dict[str, Any] = {"kind": gate.kind, "key": gate.key, "n": n, "fresh": blocked_fresh_s()}
+    better = ""
+    if before is not None:
+        better = _BETTER
+        params.update(prio=before.priority, created=before.created_at, run=before.run_id)
+    return s.execute(text(_WAITERS.format(key=key, better=better)), params).all()
+
+
+def blocked_fresh_s() -> float:
+    """How long a refused step keeps its place in line without being retried."""
+    return 3.0 * get_settings().republish_after_s + 2.0 * get_settings().sweep_interval_s
+
+
+def _admit(s: Session, slot: Any, gates: list[Gate]) -> tuple[Denial | None, list[Dispatch]]:
+    """Pass every gate, or say which one refused; also the better-ordered waiters to wake.
+
+    Runs inside the claim transaction, before its UPDATE. The advisory lock (taken before any
+    row lock, so claims never deadlock) serialises claims of one kind/key and is held to the
+    commit, so the count sees every earlier claim. Releases need no lock: they only free slots.
+    A slot goes to this step only if fewer better-ordered waiters than free slots are in line.
+    """
+    kicks: list[Dispatch] = []
+    for gate in gates:
+        s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": gate.lock})
+        held, mine = _holders(s, gate, slot.run_id)
+        if mine:
+            continue  # a sibling of this run holds the slot already
+        if held >= gate.limit:
+            return Denial(gate, held), kicks
+        free = gate.limit - held
+        better = _waiters(s, gate, free, before=slot)
+        kicks += _wake(s, better)  # slots are free for them: do not wait for the sweeper
+        if len(better) >= free:
+            return Denial(gate, held), kicks
+    return None, kicks
+
+
+def _deny(s: Session, step_id: int, denial: Denial) -> list[Dispatch]:
+    """Leave the step pending with its reason; no busy loop: it is retried by a hand-off, or
+    by the sweeper after `republish_after_s` (its `published_at` is reset now)."""
+    s.execute(
+        text(
+            "UPDATE engine.step SET blocked_reason = :reason, blocked_on = :scope, blocked_at = now(),"
+            " published_at = now() WHERE id = :id AND status = 'pending'"
+        ),
+        {"reason": denial.gate.reason(denial.held), "scope": denial.gate.scope, "id": step_id},
     )
+    log.debug("step %s refused: %s", step_id, denial.gate.reason(denial.held))
+    return []
+
+
+def _wake(s: Session, rows: list[Any]) -> list[Dispatch]:
+    """Send waiters a message now. A locked row is being claimed already: skip it, never wait."""
+    if not rows:
+        return []
+    woken = set(
+        s.scalars(
+            text(
+                "UPDATE engine.step SET published_at = now() WHERE id IN (SELECT id FROM engine.step "
+                "WHERE id = ANY(:ids) AND status = 'pending' FOR UPDATE SKIP LOCKED) RETURNING id"
+            ),
+            {"ids": [r.id for r in rows]},
+        ).all()
+    )
+    return [
+        dispatch.step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in rows if r.id in woken
+    ]
+
+
+def handoff(s: Session, kind: Kind, concurrency_key: str | None) -> list[Dispatch]:
+    """A holder of `kind`/`key` let go (commit, park, cancel, lease expiry): wake the head of
+    the line for each freed slot so the order holds and the latency is a message, not a sweep."""
+    heads: dict[int, Any] = {}
+    for gate in limit_gates(kind, concurrency_key):
+        for row in _waiters(s, gate, gate.limit - _holders(s, gate)[0]):
+            heads.setdefault(row.id, row)
+    return _wake(s, list(heads.values()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,10 +364,34 @@ def claim(step_id: int) -> Claim | None:
 
 def execute(step_id: int) -> str:
     """Run one delivery of a step message; returns the outcome (for logs and tests)."""
-    c = claim(step_id)
+    c, kicks = _claim(step_id)
+    dispatch.publish_after_commit(kicks)
     if c is None:
         return "noop"
     kind = get_kind(c.kind, c.version)
+    with tracing.step_span(
+        c.trace,
+        kind=c.kind,
+        version=c.version,
+        run_id=c.run_id,
+        step=c.name,
+        attempt=c.attempt,
+        item_index=c.item_index if c.item is not None else None,
+    ) as span:
+        outcome, to_publish, error = _attempt(c, kind)
+        tracing.set_outcome(span, outcome, error)
+    if limit_gates(kind, c.concurrency_key):
+        try:
+            with db.transaction() as s:
+                to_publish = [*to_publish, *handoff(s, kind, c.concurrency_key)]
+        except Exception as exc:  # the sweeper re-sends blocked steps anyway
+            log.warning("hand-off after step %s failed: %s", c.step_id, exc)
+    dispatch.publish_after_commit(to_publish)
+    return outcome
+
+
+def _attempt(c: Claim, kind: Kind) -> tuple[str, list[Dispatch], BaseException | None]:
+    """Body (or wait check) and its fenced commit, under the heartbeat."""
     sdef = kind.step_def(c.name)
     ctx = StepContext(
         run_id=c.run_id,
@@ -175,6 +406,7 @@ def execute(step_id: int) -> str:
     )
     outcome = "noop"
     to_publish: list[Dispatch] = []
+    error: BaseException | None = None
     with HEARTBEAT.track(c.step_id, c.token) as lease:
         ctx.lease = lease
         try:
@@ -187,14 +419,14 @@ def execute(step_id: int) -> str:
                 outcome = "succeeded"
         except LeaseLost as exc:
             log.warning("step %s attempt %s: %s", c.step_id, c.attempt, exc)
-            outcome = "lease_lost"
+            outcome, error = "lease_lost", exc
         except CancelRequested:
             outcome, to_publish = _commit_or_refuse(commit_canceled, c)
         except Exception as exc:
             policy = kind.policy_for(sdef)
             outcome, to_publish = _commit_or_refuse(commit_failure, c, policy, exc)
-    dispatch.publish_after_commit(to_publish)
-    return outcome
+            error = exc
+    return outcome, to_publish, error
 
 
 def _commit_or_refuse(fn: Any, *args: Any) -> tuple[str, list[Dispatch]]:
@@ -294,14 +526,17 @@ def _close_attempt(s: Session, c: Claim, outcome: str, err: dict[str, Any] | Non
 
 def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> None:
     """The run becomes a dead letter: `failed` with its error; pending siblings stop."""
-    s.execute(
+    run = s.execute(
         text(
             "UPDATE engine.task_run SET status = 'failed', last_error = CAST(:err AS jsonb), "
             "finished_at = now(), updated_at = now() WHERE id = :run AND status NOT IN "
-            "('succeeded', 'failed', 'canceled')"
+            "('succeeded', 'failed', 'canceled') "
+            "RETURNING id, kind, version, trace, created_at, finished_at"
         ),
         {"err": json.dumps(err), "run": run_id},
-    )
+    ).first()
+    if run is not None:
+        tracing.run_finished(s, run, "failed", run.finished_at)
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,8 +550,8 @@ def advance(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
     """
     run = s.execute(
         text(
-            "SELECT id, kind, version, input, status, current_stage, cancel_requested_at, priority "
-            "FROM engine.task_run WHERE id = :id FOR UPDATE"
+            "SELECT id, kind, version, input, status, current_stage, cancel_requested_at, priority, "
+            "trace, created_at FROM engine.task_run WHERE id = :id FOR UPDATE"
         ),
         {"id": run_id},
     ).first()
@@ -342,14 +577,15 @@ def advance(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
         stage += 1  # an empty fan-out: nothing to wait for
     last = kind.canvas[-1]
     result = plan.result(last.steps[-1].name) if len(last.steps) == 1 else None
-    s.execute(
+    finished_at = s.scalar(
         text(
             "UPDATE engine.task_run SET status = 'succeeded', result = CAST(:r AS jsonb), "
             "current_stage = :stage, current_step = NULL, finished_at = now(), updated_at = now() "
-            "WHERE id = :id"
+            "WHERE id = :id RETURNING finished_at"
         ),
         {"r": to_json(result), "stage": len(kind.canvas), "id": run_id},
     )
+    tracing.run_finished(s, run, "succeeded", finished_at)
     return []
 
 
@@ -418,8 +654,8 @@ def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
     """Mark a cancel-requested run `canceled` once no step runs; enqueue its compensation."""
     run = s.execute(
         text(
-            "SELECT id, kind, version, input, status, cancel_reason FROM engine.task_run "
-            "WHERE id = :id FOR UPDATE"
+            "SELECT id, kind, version, input, status, cancel_reason, trace, created_at "
+            "FROM engine.task_run WHERE id = :id FOR UPDATE"
         ),
         {"id": run_id},
     ).first()
@@ -441,13 +677,14 @@ def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
         ),
         {"id": run_id},
     )
-    s.execute(
+    finished_at = s.scalar(
         text(
             "UPDATE engine.task_run SET status = 'canceled', finished_at = now(), updated_at = now()"
-            " WHERE id = :id"
+            " WHERE id = :id RETURNING finished_at"
         ),
         {"id": run_id},
     )
+    tracing.run_finished(s, run, "canceled", finished_at)
     return enqueue_compensation(s, run)
 
 

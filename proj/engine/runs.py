@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj import db
-from proj.engine import dispatch
+from proj.engine import dispatch, tracing
 from proj.engine.context import PlanContext
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import (
@@ -86,12 +86,41 @@ def insert_run(
 
     `version` pins an older version (an old build still enqueuing during a rollout); by default
     a run starts on the newest version this process knows, and keeps it to the end.
+    `priority` (higher first) orders the start of runs waiting for a slot of a limited kind,
+    and the sweeper's re-sends. `trace` is a W3C carrier to parent the run's trace on; by
+    default the caller's current span is the parent.
     """
     check_key(idempotency_key)
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) < priority < 2**31:
+        raise InvalidInput(f"priority must be a 32-bit integer, not {priority!r}")
     kind = get_kind(kind_name, version)
     stored, digest = canonical_input(kind, input)
     ckey = kind.concurrency_key(kind.input_model.model_validate(stored)) if kind.concurrency_key else None
+    if ckey is not None and not isinstance(ckey, str):
+        ckey = str(ckey)
     run_id = uuid.uuid4()
+    with tracing.enqueue_span(kind.name, kind.version, run_id, parent=trace) as (span, carrier):
+        ref, out = _insert(
+            s, kind, stored, digest, idempotency_key, run_id, ckey, available_at, priority, carrier
+        )
+        span.set_attribute("engine.created", ref.created)
+        if not ref.created:
+            span.set_attribute("engine.run_id", str(ref.task_run_id))
+    return ref, out
+
+
+def _insert(
+    s: Session,
+    kind: Kind,
+    stored: dict[str, Any],
+    digest: str,
+    idempotency_key: str,
+    run_id: uuid.UUID,
+    ckey: str | None,
+    available_at: datetime | None,
+    priority: int,
+    trace: Mapping[str, Any] | None,
+) -> tuple[TaskRunRef, list[Dispatch]]:
     inserted = s.scalar(
         text(
             """
@@ -171,13 +200,14 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
             text(
                 """
                 SELECT r.*, st.attempts AS step_attempts, st.wait_topic, st.wait_until,
-                       st.pending_since, st.due_at, now() AS db_now
+                       st.pending_since, st.due_at, st.blocked_reason, now() AS db_now
                   FROM engine.task_run r
                   LEFT JOIN LATERAL (
                        SELECT max(attempts) AS attempts, max(wait_topic) AS wait_topic,
                               min(wait_until) AS wait_until,
                               min(created_at) FILTER (WHERE status = 'pending') AS pending_since,
-                              min(next_attempt_at) FILTER (WHERE status = 'pending') AS due_at
+                              min(next_attempt_at) FILTER (WHERE status = 'pending') AS due_at,
+                              max(blocked_reason) FILTER (WHERE status = 'pending') AS blocked_reason
                          FROM engine.step
                         WHERE run_id = r.id AND stage = r.current_stage) st ON true
                  WHERE r.id = :id
@@ -208,11 +238,14 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
 
 
 def _pending_reason(row: Any) -> str | None:
-    """Why a run is not moving: a future start, or no worker serving its version picked it up."""
+    """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
+    its version picked it up."""
     if row.status not in ("pending", "running") or row.due_at is None:
         return None
     if row.due_at > row.db_now:
         return f"scheduled for {row.due_at.isoformat()}"
+    if row.blocked_reason:
+        return row.blocked_reason
     waited = (row.db_now - max(row.due_at, row.pending_since)).total_seconds()
     if waited > get_settings().republish_after_s:
         return (

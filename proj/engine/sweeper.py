@@ -5,8 +5,10 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
   the run when their attempts are spent — recovery within `lease_ttl + sweep interval`;
 - parked steps whose timer is due are woken for a re-check;
 - cancel-requested runs with no live step are finalised;
+- a limited kind's slot freed by an expired lease goes to the head of its line (`handoff`);
 - pending, due steps that were never published (broker down) or whose message seems lost
-  (`republish_after_s`) are published.
+  (`republish_after_s`) are published, highest priority first; steps refused a slot are
+  re-sent this way too, so a waiter is retried at least every `republish_after_s`.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine import dispatch
 from proj.engine.dispatch import Dispatch, step_dispatch
-from proj.engine.protocol import fail_run, finalize_cancel
+from proj.engine.errors import UnknownKind
+from proj.engine.kind import get_kind
+from proj.engine.protocol import fail_run, finalize_cancel, handoff
 from proj.engine.runs import wake
 from proj.settings import get_settings
 
@@ -72,13 +78,20 @@ def sweep() -> SweepReport:
             if row.status == "failed":
                 report.failed += 1
                 fail_run(s, row.run_id, {**row.error, "step": row.name, "attempts": row.attempts})
+        to_publish: list[Dispatch] = []
+        for kind_name, version, key in _slots(s, [row.run_id for row in expired]):
+            try:
+                kind = get_kind(kind_name, version)
+            except UnknownKind:  # a version this process does not know: waiters are re-sent below
+                continue
+            to_publish.extend(handoff(s, kind, key))
         woken = wake(
             s,
             "s.id IN (SELECT id FROM engine.step WHERE status = 'waiting' AND wait_until <= now() LIMIT :n)",
             {"n": BATCH},
         )
         report.woken = len(woken)
-        to_publish: list[Dispatch] = list(woken)
+        to_publish.extend(woken)
         cancels = s.scalars(
             text(
                 "SELECT id FROM engine.task_run WHERE cancel_requested_at IS NOT NULL "
@@ -95,21 +108,33 @@ def sweep() -> SweepReport:
                 UPDATE engine.step s SET published_at = now()
                   FROM engine.task_run r
                  WHERE s.id IN (
-                        SELECT id FROM engine.step
-                         WHERE status = 'pending' AND next_attempt_at <= now()
-                           AND (published_at IS NULL
-                                OR published_at < now() - make_interval(secs => :again))
-                         ORDER BY next_attempt_at LIMIT :n FOR UPDATE SKIP LOCKED)
+                        SELECT p.id FROM engine.step p JOIN engine.task_run pr ON pr.id = p.run_id
+                         WHERE p.status = 'pending' AND p.next_attempt_at <= now()
+                           AND (p.published_at IS NULL
+                                OR p.published_at < now() - make_interval(secs => :again))
+                         ORDER BY pr.priority DESC, p.next_attempt_at LIMIT :n
+                         FOR UPDATE OF p SKIP LOCKED)
                    AND r.id = s.run_id AND r.status IN ('pending', 'running', 'waiting')
                    AND r.cancel_requested_at IS NULL
-             RETURNING s.id, s.name, r.kind, r.version, r.priority
+             RETURNING s.id, s.name, r.kind, r.version, r.priority, s.next_attempt_at
                 """
             ),
             {"again": settings.republish_after_s, "n": BATCH},
         ).all()
+        due = sorted(due, key=lambda r: (-r.priority, r.next_attempt_at))  # RETURNING has no order
         to_publish.extend(step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in due)
         report.published = len(due)
     dispatch.publish_after_commit(to_publish)
     if report.expired or report.woken or report.published or report.failed:
         log.info("sweep: %s", json.dumps(report.__dict__))
     return report
+
+
+def _slots(s: Session, run_ids: list[Any]) -> list[Any]:
+    """The (kind, version, concurrency_key) of runs whose step lost its lease: slots to hand off."""
+    if not run_ids:
+        return []
+    return s.execute(
+        text("SELECT DISTINCT kind, version, concurrency_key FROM engine.task_run WHERE id = ANY(:ids)"),
+        {"ids": run_ids},
+    ).all()

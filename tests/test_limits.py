@@ -1,0 +1,221 @@
+"""Per-key and per-kind concurrency limits and priorities, counted in Postgres across workers.
+
+Step bodies record start/end timestamps in `testkit.execution` inside their lease; the limit
+holds if those intervals never overlap more than the limit allows.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from proj.engine import dispatch, runs
+from proj.engine.errors import InvalidInput
+from proj.engine.sweeper import sweep
+from proj.settings import get_settings
+from tests.conftest import new_key
+from tests.support.services import scalar, sql, wait_for
+
+
+def max_overlap(intervals: list[tuple[datetime, datetime]]) -> int:
+    """The most intervals open at one instant (an end at t closes before a start at t opens)."""
+    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: e)
+    open_now = peak = 0
+    for _, delta in events:
+        open_now += delta
+        peak = max(peak, open_now)
+    return peak
+
+
+def _succeeded(kind: str) -> int:
+    return scalar("SELECT count(*) FROM engine.task_run WHERE kind = %s AND status = 'succeeded'", (kind,))
+
+
+def _executions_of_key(key: str) -> list[tuple[Any, ...]]:
+    return sql(
+        "SELECT e.run_id, e.step, e.attempt, e.pid, e.started_at, e.ended_at FROM testkit.execution e "
+        "JOIN engine.task_run r ON r.id = e.run_id WHERE r.concurrency_key = %s ORDER BY e.started_at",
+        (key,),
+    )
+
+
+def _blocked(run_id) -> bool:
+    return bool(
+        scalar(
+            "SELECT count(*) FROM engine.step WHERE run_id = %s AND status = 'pending' "
+            "AND blocked_at IS NOT NULL",
+            (run_id,),
+        )
+    )
+
+
+def test_thirty_runs_of_one_key_never_exceed_the_limit_on_four_processes(procs) -> None:
+    """30 runs share a key with limit 2 on 4 worker processes (2 workers x 2): never more than
+    2 in a step at once, all finish, and another key is not held up by the full one."""
+    procs.worker("w1", concurrency=2)
+    procs.worker("w2", concurrency=2)
+    procs.beat()
+    key, other = f"tracker:{new_key()}", f"tracker:{new_key()}"
+    started = time.monotonic()
+    refs = [runs.enqueue("keyed", {"key": key, "hold_s": 0.2}, idempotency_key=new_key()) for _ in range(30)]
+    others = [
+        runs.enqueue("keyed", {"key": other, "hold_s": 0.2}, idempotency_key=new_key()) for _ in range(2)
+    ]
+    wait_for(lambda: _succeeded("keyed") == 32, 120, interval=0.2, what="32 runs to succeed")
+    elapsed = time.monotonic() - started
+
+    rows = _executions_of_key(key)
+    assert len(rows) == 60, "each of the 2 steps of the 30 runs ran exactly once"
+    assert all(r[5] is not None for r in rows)
+    peak = max_overlap([(r[4], r[5]) for r in rows])
+    assert peak == 2, f"at most 2 at once (and the limit was used), saw {peak}"
+    assert len({r[3] for r in rows}) >= 2, "the work was spread over several worker processes"
+    # Two slots, 60 steps of 0.2 s: at least 6 s; the hand-off keeps it near that.
+    busy = (rows[-1][5] - rows[0][4]).total_seconds()
+    print(
+        f"\n30 runs x 2 steps, limit 2: {busy:.1f}s from first start to last end (ideal 6.0s), "
+        f"{elapsed:.1f}s from enqueue to all done"
+    )
+    assert busy < 6.0 * 3
+
+    other_rows = _executions_of_key(other)
+    assert len(other_rows) == 4
+    assert max(r[5] for r in other_rows) < rows[-1][5], "the other key did not wait for the full one"
+    assert {r.task_run_id for r in refs + others} == {
+        row[0] for row in sql("SELECT id FROM engine.task_run WHERE status = 'succeeded'")
+    }
+    assert scalar("SELECT count(*) FROM engine.step WHERE blocked_at IS NOT NULL") == 0
+
+
+def test_run_over_the_limit_waits_pending_with_its_reason(inproc) -> None:
+    """A run over its key's limit is `pending` with a reason in `get`; another key runs; it
+    starts as soon as the holder commits (a hand-off, not a sweep later)."""
+    key = f"user:{new_key()}"
+    a = inproc.enqueue("keyed_one", {"key": key, "hold_s": 2.0}, idempotency_key=new_key())
+    wait_for(lambda: _executions_of_key(key), 10, what="the holder to start")
+    b = inproc.enqueue("keyed_one", {"key": key, "hold_s": 0.1}, idempotency_key=new_key())
+    c = inproc.enqueue("keyed_one", {"key": f"user:{new_key()}", "hold_s": 0.1}, idempotency_key=new_key())
+    wait_for(lambda: _blocked(b.task_run_id), 10, what="the second run to be refused a slot")
+    view = inproc.get(b.task_run_id)
+    assert view.status == "pending"
+    assert view.pending_reason is not None
+    assert f"concurrency key {key!r}" in view.pending_reason and "1/1 runs in a step" in view.pending_reason
+    wait_for(lambda: inproc.get(c.task_run_id).status == "succeeded", 10, what="another key to run")
+    assert inproc.get(b.task_run_id).status == "pending", "still waiting for the holder"
+    assert inproc.get(a.task_run_id).pending_reason is None
+
+    wait_for(lambda: _succeeded("keyed_one") == 3, 20, what="all runs to finish")
+    rows = _executions_of_key(key)
+    (a_start, a_end), (b_start, _b_end) = [(r[4], r[5]) for r in rows]
+    assert [r[0] for r in rows] == [a.task_run_id, b.task_run_id]
+    gap = (b_start - a_end).total_seconds()
+    assert 0 <= gap < 1.0, f"the waiter started {gap:.2f}s after the slot freed"
+    assert inproc.get(b.task_run_id).pending_reason is None
+
+
+def test_kill_9_of_a_holder_frees_its_slot_within_the_lease(procs) -> None:
+    """The holder's worker is killed: its lease expires, the sweeper frees the slot, and a run
+    of the key starts elsewhere within lease_ttl + sweep interval; the limit still holds."""
+    key = f"disk:{new_key()}"
+    procs.worker("victim", concurrency=1)
+    a = runs.enqueue("keyed_one", {"key": key, "slow_attempts": 1, "slow_s": 60.0}, idempotency_key=new_key())
+    wait_for(lambda: _executions_of_key(key), 30, what="the holder to start on the victim")
+    procs.worker("rescuer", concurrency=1)
+    # Two waiters: the busy victim may prefetch one message (lost with it, re-sent by the
+    # sweeper); the other reaches the rescuer, which refuses it a slot.
+    waiters = [
+        runs.enqueue("keyed_one", {"key": key, "hold_s": 0.2}, idempotency_key=new_key()) for _ in range(2)
+    ]
+    wait_for(
+        lambda: any(_blocked(w.task_run_id) for w in waiters),
+        30,
+        what="a waiter to be refused on the rescuer",
+    )
+    view = runs.get(next(w for w in waiters if _blocked(w.task_run_id)).task_run_id)
+    assert view.status == "pending" and "concurrency key" in view.pending_reason
+    assert len(_executions_of_key(key)) == 1
+    procs.beat()
+    killed_at = scalar("SELECT clock_timestamp()")
+    procs.kill("victim")
+    wait_for(lambda: _succeeded("keyed_one") == 3, 60, what="all runs to finish")
+
+    rows = _executions_of_key(key)
+    assert len(rows) == 4, "the killed attempt, its retry and the two waiters"
+    first_after = min(r[4] for r in rows[1:])
+    s = get_settings()
+    recovery = (first_after - killed_at).total_seconds()
+    print(f"\nslot freed {recovery:.2f}s after kill -9 (lease {s.lease_ttl_s}s, sweep {s.sweep_interval_s}s)")
+    assert recovery <= s.lease_ttl_s + s.sweep_interval_s + 2.0, f"slot freed after {recovery:.1f}s"
+    intervals = [(r[4], r[5] or killed_at) for r in rows]
+    assert max_overlap(intervals) == 1
+    assert {r[0] for r in rows} == {a.task_run_id, *(w.task_run_id for w in waiters)}
+
+
+def test_priority_orders_the_start_of_waiting_runs(inproc) -> None:
+    """With one slot (global_limit=1) held, waiting runs start by priority, highest first, and
+    in enqueue order within one priority."""
+    blocker = inproc.enqueue("solo", {"hold_s": 2.0}, idempotency_key=new_key())
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM testkit.execution WHERE run_id = %s", (blocker.task_run_id,)),
+        10,
+        what="the blocker to start",
+    )
+    priorities = [1, 5, 3, 9, 0, 7, 5, -2]
+    refs = [
+        inproc.enqueue("solo", {"hold_s": 0.05}, idempotency_key=new_key(), priority=p) for p in priorities
+    ]
+    wait_for(lambda: all(_blocked(r.task_run_id) for r in refs), 10, what="all of them to wait")
+    assert inproc.get(refs[0].task_run_id).pending_reason.startswith(
+        "waiting for a slot: solo has 1/1 runs"
+    )
+    wait_for(lambda: _succeeded("solo") == len(refs) + 1, 30, what="all runs to finish")
+
+    rows = sql(
+        "SELECT e.run_id, r.priority, e.started_at, e.ended_at FROM testkit.execution e "
+        "JOIN engine.task_run r ON r.id = e.run_id ORDER BY e.started_at"
+    )
+    assert rows[0][0] == blocker.task_run_id
+    started = [r[1] for r in rows[1:]]
+    assert started == sorted(priorities, reverse=True), f"start order by priority: {started}"
+    fives = [r[0] for r in rows if r[1] == 5]
+    assert fives == [refs[1].task_run_id, refs[6].task_run_id], "FIFO within one priority"
+    assert max_overlap([(r[2], r[3]) for r in rows]) == 1
+
+
+def test_sweeper_sends_the_highest_priority_first(monkeypatch) -> None:
+    """Re-sends (lost messages, refused steps) go out highest priority first."""
+    sent: list[list[dispatch.Dispatch]] = []
+    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.append(list(items)))
+    refs = {p: runs.enqueue("probe", {"n": p}, idempotency_key=new_key(), priority=p) for p in (0, 7, -1, 3)}
+    sql("UPDATE engine.step SET published_at = NULL")
+    sent.clear()
+    sweep()
+    order = [d.priority for batch in sent for d in batch]
+    assert order == [7, 3, 0, -1]
+    assert len(refs) == 4
+
+
+def test_bad_priority_is_refused_and_nothing_is_written() -> None:
+    """A priority must be a 32-bit int (it orders with `-priority` in SQL)."""
+    with pytest.raises(InvalidInput):
+        runs.enqueue("probe", {}, idempotency_key=new_key(), priority="high")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        runs.enqueue("probe", {}, idempotency_key=new_key(), priority=2**40)
+    assert scalar("SELECT count(*) FROM engine.task_run") == 0
+
+
+def test_a_slot_is_per_run_fan_out_items_share_it(inproc) -> None:
+    """The limit counts runs: the items of a fan-out run together in the run's one slot, and
+    the next run of the key waits until they are all done."""
+    key = f"disk:{new_key()}"
+    a = inproc.enqueue("keyed_fan", {"key": key, "items": 3, "hold_s": 0.6}, idempotency_key=new_key())
+    wait_for(lambda: _executions_of_key(key), 10, what="the first items to start")
+    b = inproc.enqueue("keyed_fan", {"key": key, "items": 3, "hold_s": 0.1}, idempotency_key=new_key())
+    wait_for(lambda: _succeeded("keyed_fan") == 2, 30, what="both runs to finish")
+    rows = _executions_of_key(key)
+    by_run = {run: [(r[4], r[5]) for r in rows if r[0] == run] for run in (a.task_run_id, b.task_run_id)}
+    assert max_overlap(by_run[a.task_run_id]) >= 2, "a run's items share its slot"
+    assert max(e for _, e in by_run[a.task_run_id]) <= min(s for s, _ in by_run[b.task_run_id])
