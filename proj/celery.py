@@ -111,6 +111,14 @@ def _child_init(**_: object) -> None:
     db.reset_after_fork()
 
 
+@signals.worker_process_shutdown.connect
+def _child_exit(**_: object) -> None:
+    """Export buffered spans: a prefork child leaves without running atexit hooks."""
+    from proj.engine import tracing
+
+    tracing.flush()
+
+
 @signals.worker_init.connect
 def _preflight(**_: object) -> None:
     """Refuse to start on a stale schema or an impossible connection budget."""
