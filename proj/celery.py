@@ -106,6 +106,34 @@ def sweep_task() -> dict[str, object]:
     return sweep().__dict__
 
 
+PERIODIC = {
+    "reconcile_downloads": settings.periodic_reconcile_s,
+    "verify_library": settings.periodic_verify_s,
+    "purge": settings.periodic_purge_s,
+}
+
+
+@app.task(name="engine.periodic", ignore_result=True)
+def periodic_task(kind: str, every_s: float) -> str:
+    """Enqueue a periodic kind keyed by its time bucket: two beats still make one run."""
+    import time
+
+    from proj.engine import runs
+
+    bucket = int(time.time() // every_s)
+    ref = runs.enqueue(kind, {"bucket": bucket}, idempotency_key=f"{kind}:{bucket}")
+    return str(ref.task_run_id)
+
+
+for _kind, _every in PERIODIC.items():
+    app.conf.beat_schedule[f"periodic-{_kind}"] = {
+        "task": "engine.periodic",
+        "schedule": _every,
+        "args": (_kind, _every),
+        "options": {"queue": "engine", "expires": _every},
+    }
+
+
 @signals.worker_process_init.connect
 def _child_init(**_: object) -> None:
     db.reset_after_fork()

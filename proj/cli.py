@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 cli = typer.Typer(help="Durable Celery steps with ledger discipline.", no_args_is_help=True)
-console = Console()
+console = Console(emoji=False, highlight=False)
 
 
 def migrate_to_head() -> str:

@@ -44,10 +44,27 @@ class Settings(BaseSettings):
         default="", description="comma-separated modules declaring extra kinds (tests, plugins)"
     )
     max_input_bytes: int = Field(default=65536, ge=1024)
+    fault_kill_after_effect: str = Field(
+        default="", description="fault injection: SIGKILL self after this effect kind's first attempt"
+    )
+    fault_chunk_delay_s: float = Field(default=0.0, ge=0, description="fault injection: slow copies")
     fault_duplicate_publish: int = Field(
         default=1, ge=1, le=5, description="fault injection: send every step message N times"
     )
 
+    library_root: str = Field(default="/var/lib/proj/library", description="where imports land")
+    download_dir: str = Field(
+        default="/var/lib/proj/downloads", description="qBittorrent's save path for our torrents"
+    )
+    qbt_peers: str = Field(default="", description="peers to introduce after adding, host:port,…")
+    acq_approval_timeout_s: float = Field(default=300.0, gt=0)
+    acq_download_recheck_s: float = Field(default=600.0, gt=0)
+    seed_time_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    copy_chunk_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
+    periodic_reconcile_s: float = Field(default=300.0, gt=0)
+    periodic_verify_s: float = Field(default=24 * 3600.0, gt=0)
+    periodic_purge_s: float = Field(default=24 * 3600.0, gt=0)
+    retention_days: float = Field(default=30.0, ge=0)
     qbt_url: str | None = None
     qbt_username: str | None = None
     qbt_password: SecretStr | None = None

@@ -26,6 +26,11 @@ os.environ.setdefault(
 os.environ.setdefault("DB_POOL_SIZE", "3")
 os.environ.setdefault("DB_MAX_OVERFLOW", "2")
 
+# Subprocesses (workers, qBittorrent's on-finish hook) must import `tests.*` kinds too.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+
 from tests.support import services  # noqa: E402
 
 services.ensure_postgres()

@@ -246,3 +246,18 @@ class ProcessGroup:
                 p.wait(10)
             del name
         self.procs.clear()
+
+
+def dump_engine_state() -> str:
+    """Runs, steps and errors as text: attached to failures so a red test explains itself."""
+    lines = []
+    for r in sql(
+        "SELECT r.kind, r.status, r.current_step, r.last_error->>'message', s.name, s.status, "
+        "s.attempts, s.error->>'message' FROM engine.task_run r LEFT JOIN engine.step s "
+        "ON s.run_id = r.id ORDER BY r.created_at, s.stage, s.item_index"
+    ):
+        lines.append(" | ".join(str(x) for x in r))
+    if scalar("SELECT to_regclass('outbox.outbox_event') IS NOT NULL"):
+        for r in sql("SELECT kind, idempotency_key, status, attempts, last_error FROM outbox.outbox_event"):
+            lines.append("outbox: " + " | ".join(str(x) for x in r))
+    return "\n".join(lines)

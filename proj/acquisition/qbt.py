@@ -1,0 +1,57 @@
+"""The managed qBittorrent, through qbittorrent-api. Every torrent we add carries MANAGED_TAG."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import qbittorrentapi
+
+from proj.settings import get_settings
+
+MANAGED_TAG = "proj-managed"
+_local = threading.local()
+
+
+def client() -> qbittorrentapi.Client:
+    """A logged-in client per thread (qbittorrent-api sessions are not thread-safe)."""
+    c = getattr(_local, "client", None)
+    if c is None:
+        s = get_settings()
+        if not s.qbt_url:
+            raise RuntimeError("QBT_URL is not set: point it at the managed qBittorrent Web UI")
+        c = qbittorrentapi.Client(
+            host=s.qbt_url,
+            username=s.qbt_username or "",
+            password=s.qbt_password.get_secret_value() if s.qbt_password else "",
+            REQUESTS_ARGS={"timeout": (5, 30)},
+            VERIFY_WEBUI_CERTIFICATE=False,
+            RAISE_NOTIMPLEMENTEDERROR_FOR_UNIMPLEMENTED_API_ENDPOINTS=False,
+        )
+        _local.client = c
+    return c
+
+
+def find(infohash: str) -> Any | None:
+    """The torrent with this infohash, or None."""
+    found = client().torrents_info(torrent_hashes=infohash)
+    return found[0] if found else None
+
+
+def wait_listed(infohash: str, timeout: float = 15.0) -> Any:
+    """qBittorrent answers "Ok." before the torrent is listed; wait until it is."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (t := find(infohash)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"qBittorrent did not list {infohash} after adding it")
+        time.sleep(0.1)
+    return t
+
+
+COMPLETE_STATES = {"uploading", "stalledUP", "pausedUP", "stoppedUP", "queuedUP", "forcedUP", "checkingUP"}
+
+
+def is_complete(t: Any) -> bool:
+    return float(t.progress) >= 1.0 and t.state in COMPLETE_STATES

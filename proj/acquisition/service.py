@@ -1,0 +1,145 @@
+"""Business operations on download tasks. Each writes its rows and its outbox event in the
+caller's transaction; signals are sent after commit, as hints only."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+
+import outbox
+from proj.acquisition import torrents
+from proj.acquisition.models import Approval, DownloadTask, TaskEvent
+from proj.engine.errors import BadInput
+from proj.engine.port import TaskEngine
+
+
+class UnknownTask(BadInput):
+    """No download task with that id."""
+
+
+def event(session: Session, task_id: uuid.UUID, what: str, **detail: Any) -> None:
+    """Append to the business timeline (what /admin shows instead of raw step attempts)."""
+    session.add(TaskEvent(download_task_id=task_id, what=what, detail=detail or None))
+
+
+def load(session: Session, task_id: uuid.UUID | str, *, lock: bool = False) -> DownloadTask:
+    q = select(DownloadTask).where(DownloadTask.id == uuid.UUID(str(task_id)))
+    task = session.scalar(q.with_for_update() if lock else q)
+    if task is None:
+        raise UnknownTask(f"no download task {task_id}")
+    return task
+
+
+def request_download(
+    session: Session,
+    *,
+    requester: str,
+    torrent: bytes,
+    title: str | None = None,
+    webhook_url: str | None = None,
+    task_id: uuid.UUID | None = None,
+) -> uuid.UUID:
+    """Record a request and queue its `acquire` run through the outbox (same transaction).
+
+    The torrent is validated first: junk or a file name escaping the library root is refused
+    before anything is written.
+    """
+    meta = torrents.parse(torrent)
+    if not requester or len(requester) > 200:
+        raise BadInput("requester must be 1..200 characters")
+    if webhook_url is not None and not webhook_url.startswith(("http://", "https://")):
+        raise BadInput("webhook_url must be an http(s) URL")
+    task_id = task_id or uuid.uuid4()
+    session.add(
+        DownloadTask(
+            id=task_id,
+            requester=requester,
+            title=title or meta.name,
+            infohash=meta.infohash,
+            torrent=bytes(torrent),
+            files=[{"rel_path": f.rel_path, "size": f.size} for f in meta.files],
+            total_size=meta.total_size,
+            webhook_url=webhook_url,
+        )
+    )
+    session.flush()
+    event(session, task_id, "requested", requester=requester, infohash=meta.infohash)
+    outbox.add(session, "acquire", f"acquire:{task_id}", {"download_task_id": str(task_id)})
+    return task_id
+
+
+def approve(session: Session, task_id: uuid.UUID, approved_by: str) -> bool:
+    """Write the approval (the truth the `acquire` wait checks). True if newly approved."""
+    task = load(session, task_id, lock=True)
+    if task.cancel_requested_at is not None:
+        raise BadInput(f"download task {task_id} was canceled")
+    done = session.execute(
+        pg_insert(Approval)
+        .values(download_task_id=task_id, approved_by=approved_by)
+        .on_conflict_do_nothing()
+        .returning(Approval.download_task_id)
+    ).first()
+    if done is not None:
+        task.status = "approved"
+        event(session, task_id, "approved", by=approved_by)
+    return done is not None
+
+
+def approval_topic(task_id: uuid.UUID | str) -> str:
+    return f"approval:{task_id}"
+
+
+def download_topic(infohash: str) -> str:
+    return f"download:{infohash}"
+
+
+def approve_and_signal(engine: TaskEngine, session_factory: Any, task_id: uuid.UUID, by: str) -> None:
+    """Commit the approval, then wake the waiting run (a lost signal only costs the timeout)."""
+    with session_factory.begin() as s:
+        approve(s, task_id, by)
+    engine.signal(approval_topic(task_id))
+
+
+def mark_cancel_requested(session: Session, run_id: uuid.UUID, inp: Any) -> None:
+    """Kind hook for `TaskEngine.cancel`: the business row learns first."""
+    task_id = uuid.UUID(str(inp.download_task_id))
+    session.execute(
+        update(DownloadTask)
+        .where(DownloadTask.id == task_id, DownloadTask.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=_now(session), status="canceling")
+    )
+    event(session, task_id, "cancel requested", run_id=str(run_id))
+
+
+def cancel_download(engine: TaskEngine, session_factory: Any, task_id: uuid.UUID, reason: str) -> int:
+    """Cancel a request: flag the business row, then stop its acquire/import runs."""
+    from sqlalchemy import text
+
+    with session_factory.begin() as s:
+        load(s, task_id, lock=True)
+        mark_cancel_requested(s, uuid.UUID(int=0), _Ref(task_id))
+        run_ids = s.scalars(
+            text(
+                "SELECT id FROM engine.task_run WHERE idempotency_key = ANY(:keys) "
+                "AND status NOT IN ('succeeded', 'failed', 'canceled')"
+            ),
+            {"keys": [f"acquire:{task_id}", f"import:{task_id}"]},
+        ).all()
+    for run_id in run_ids:
+        engine.cancel(run_id, reason)
+    return len(run_ids)
+
+
+class _Ref:
+    def __init__(self, task_id: uuid.UUID) -> None:
+        self.download_task_id = task_id
+
+
+def _now(session: Session) -> Any:
+    from sqlalchemy import func
+
+    return session.scalar(select(func.now()))

@@ -1,0 +1,92 @@
+"""Torrent metadata: parse, validate (bad input never reaches the library) and verify pieces."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import torf
+
+from proj.engine.errors import BadInput
+
+MAX_TORRENT_BYTES = 4 * 1024 * 1024
+
+
+class BadTorrent(BadInput):
+    """Unreadable metadata, or a file name that would escape the library root."""
+
+
+@dataclass(frozen=True)
+class TorrentFile:
+    """One file of the torrent, its path relative to the torrent's root folder."""
+
+    rel_path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class TorrentMeta:
+    name: str
+    infohash: str
+    files: tuple[TorrentFile, ...]
+    total_size: int
+
+
+def safe_relative(path: str) -> str:
+    """Reject absolute paths, `..` segments and empty names: nothing may leave the root."""
+    if not path or "\\" in path or "\x00" in path:
+        raise BadTorrent(f"unsafe file name in torrent: {path!r}")
+    p = PurePosixPath(path)
+    if p.is_absolute() or any(part in ("..", ".", "") for part in p.parts):
+        raise BadTorrent(f"file name escapes the library root: {path!r}")
+    return p.as_posix()
+
+
+def parse(data: bytes) -> TorrentMeta:
+    """Parse and validate .torrent bytes; raises `BadTorrent` with a clear reason."""
+    if not isinstance(data, bytes | bytearray) or not data:
+        raise BadTorrent("empty torrent")
+    if len(data) > MAX_TORRENT_BYTES:
+        raise BadTorrent(f"torrent metadata is {len(data)} bytes, limit {MAX_TORRENT_BYTES}")
+    try:
+        t = torf.Torrent.read_stream(io.BytesIO(bytes(data)), validate=False)
+        meta_info = t.metainfo["info"]
+        name = str(meta_info["name"])
+        if "files" in meta_info:
+            raw = [("/".join(str(s) for s in f["path"]), int(f["length"])) for f in meta_info["files"]]
+        else:
+            raw = [(name, int(meta_info["length"]))]
+        infohash = t.infohash.lower()
+    except BadTorrent:
+        raise
+    except Exception as exc:  # torf raises many kinds of errors for junk
+        raise BadTorrent(f"unreadable torrent: {exc}") from exc
+    safe_relative(name)
+    files = tuple(TorrentFile(safe_relative(p), size) for p, size in raw)
+    if any(f.size < 0 for f in files):
+        raise BadTorrent("negative file size")
+    return TorrentMeta(name, infohash, files, sum(f.size for f in files))
+
+
+def content_root(meta: TorrentMeta, save_path: Path) -> Path:
+    """Where qBittorrent keeps the payload: `save_path/name` (a folder for multi-file)."""
+    return save_path / meta.name
+
+
+def source_path(meta: TorrentMeta, save_path: Path, f: TorrentFile) -> Path:
+    if len(meta.files) == 1 and f.rel_path == meta.name:
+        return save_path / meta.name
+    return save_path / meta.name / f.rel_path
+
+
+def verify_pieces(data: bytes, save_path: Path) -> None:
+    """Check sizes and every piece hash of the downloaded payload against the metadata."""
+    t = torf.Torrent.read_stream(io.BytesIO(bytes(data)))
+    target = save_path / t.name
+    try:
+        ok = t.verify(str(target))
+    except torf.TorfError as exc:
+        raise BadTorrent(f"payload does not match the torrent: {exc}") from exc
+    if not ok:
+        raise BadTorrent("payload does not match the torrent's piece hashes")

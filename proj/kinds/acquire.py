@@ -1,0 +1,121 @@
+"""`acquire`: wait for approval → add the torrent (ledger) → wait for completion → queue import."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select, update
+
+import outbox
+from proj import db
+from proj.acquisition import qbt, service
+from proj.acquisition.models import Approval, DownloadTask
+from proj.engine.context import StepContext
+from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.kind import Kind, RetryPolicy, register, step, wait_for
+from proj.kinds.common import TaskInput, download_dir, load_task
+from proj.settings import get_settings
+
+
+def approved(ctx: StepContext) -> dict[str, str] | None:
+    """The approval row is the truth; the signal only makes us look sooner."""
+    load_task(ctx)
+    with db.transaction() as s:
+        by = s.scalar(
+            select(Approval.approved_by).where(Approval.download_task_id == ctx.input.download_task_id)
+        )
+    return {"approved_by": by} if by else None
+
+
+def add_torrent(ctx: StepContext) -> dict[str, Any]:
+    """Add once: the ledger op is keyed by the task; reconcile looks the infohash up."""
+    task = load_task(ctx)
+    infohash = task.infohash
+    plan = {"infohash": infohash, "tag": qbt.MANAGED_TAG, "save_path": str(download_dir())}
+
+    def do(att: Attempt) -> dict[str, Any]:
+        att.check()
+        qbt.client().torrents_add(
+            torrent_files={f"{infohash}.torrent": task.torrent},
+            save_path=str(download_dir()),
+            tags=qbt.MANAGED_TAG,
+            use_auto_torrent_management=False,
+        )
+        qbt.wait_listed(infohash)
+        return {"infohash": infohash}
+
+    def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
+        found = qbt.find(infohash)
+        return Done({"infohash": infohash, "reconciled": True}) if found else NotDone("not in qBittorrent")
+
+    result = effect(ctx, f"qbt-add:{task.id}", plan, do, reconcile, effect_kind="qbittorrent")
+    introduce_peers(infohash)
+    with ctx.fenced() as s:
+        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="downloading"))
+        service.event(s, task.id, "torrent added", infohash=infohash)
+    return result
+
+
+def introduce_peers(infohash: str) -> None:
+    """Loopback swarms (tests, demo) have no DHT: tell qBittorrent where the seeders are."""
+    peers = [p.strip() for p in get_settings().qbt_peers.split(",") if p.strip()]
+    if peers:
+        qbt.client().torrents_add_peers(peers=peers, torrent_hashes=infohash)
+
+
+def downloaded(ctx: StepContext) -> dict[str, Any] | None:
+    """qBittorrent is the truth about the download; the on-finish hook only wakes us."""
+    task = load_task(ctx)
+    t = qbt.find(task.infohash)
+    if t is None:
+        raise RuntimeError(f"torrent {task.infohash} disappeared from qBittorrent")
+    with db.transaction() as s:
+        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(progress=float(t.progress)))
+    ctx.report_progress(float(t.progress) * task.total_size, task.total_size, "downloading")
+    if not qbt.is_complete(t):
+        if t.state in ("pausedDL", "stoppedDL"):
+            qbt.client().torrents_resume(torrent_hashes=task.infohash)
+        introduce_peers(task.infohash)
+        return None
+    return {"infohash": task.infohash, "save_path": t.save_path}
+
+
+def queue_import(ctx: StepContext) -> dict[str, str]:
+    """Status and the `import` event commit together, fenced by this step's lease."""
+    task = load_task(ctx)
+    with ctx.fenced() as s:
+        s.execute(
+            update(DownloadTask).where(DownloadTask.id == task.id).values(status="downloaded", progress=1.0)
+        )
+        service.event(s, task.id, "downloaded")
+        outbox.add(s, "import", f"import:{task.id}", {"download_task_id": str(task.id)})
+    return {"queued": f"import:{task.id}"}
+
+
+ACQUIRE = register(
+    Kind(
+        name="acquire",
+        version=1,
+        retry=RetryPolicy.network(),
+        input_model=TaskInput,
+        canvas=(
+            wait_for(
+                "approval",
+                topic=lambda ctx: service.approval_topic(ctx.input.download_task_id),
+                timeout_s=lambda ctx: get_settings().acq_approval_timeout_s,
+                check=approved,
+            ),
+            step("add_torrent", add_torrent),
+            wait_for(
+                "download",
+                topic=lambda ctx: service.download_topic(ctx.result("add_torrent")["infohash"]),
+                timeout_s=lambda ctx: get_settings().acq_download_recheck_s,
+                check=downloaded,
+            ),
+            step("queue_import", queue_import),
+        ),
+        on_cancel=service.mark_cancel_requested,
+        compensation="compensate",
+        description="approval → add torrent → wait for the download → queue import",
+    )
+)

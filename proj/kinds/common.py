@@ -1,0 +1,57 @@
+"""Helpers shared by the acquisition kinds: inputs, loading the task, the cancel guard."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from proj import db
+from proj.acquisition import service, torrents
+from proj.acquisition.models import DownloadTask
+from proj.engine.context import StepContext
+from proj.engine.errors import CancelRequested
+from proj.settings import get_settings
+
+
+class TaskInput(BaseModel):
+    """Most kinds act on one download task."""
+
+    download_task_id: uuid.UUID
+
+
+def load_task(ctx: StepContext) -> DownloadTask:
+    """Read the business row; a cancel written on it stops the run before any effect."""
+    with db.transaction() as s:
+        task = service.load(s, ctx.input.download_task_id)
+    if task.cancel_requested_at is not None:
+        raise CancelRequested(f"download task {task.id} was canceled")
+    return task
+
+
+def library_root() -> Path:
+    return Path(get_settings().library_root)
+
+
+def download_dir() -> Path:
+    return Path(get_settings().download_dir)
+
+
+def inside(root: Path, path: Path) -> Path:
+    """Resolve `path` and insist it stays under `root` (belt and braces after parsing)."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ValueError(f"{path} escapes {root}")
+    return resolved
+
+
+def library_rel(meta: torrents.TorrentMeta, f: torrents.TorrentFile) -> str:
+    """A file's path below its task's library folder: `<torrent name>[/<file path>]`."""
+    return meta.name if len(meta.files) == 1 and f.rel_path == meta.name else f"{meta.name}/{f.rel_path}"
+
+
+def library_path(task_id: uuid.UUID, rel: str, root: Path | None = None) -> Path:
+    """Where a file lands: `<root>/<task id>/<rel>`, never outside `root`."""
+    root = root or library_root()
+    return inside(root, root / str(task_id) / rel)

@@ -1,0 +1,99 @@
+"""`compensate`: after cancel or abandon, remove the torrent and every partial or temp file."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import select, update
+
+from proj import db
+from proj.acquisition import library, qbt, service, torrents
+from proj.acquisition.models import DownloadTask, LibraryItem
+from proj.engine.context import StepContext
+from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.kind import Kind, RetryPolicy, register, step
+from proj.kinds.common import library_path, library_rel
+
+
+class CompensateInput(BaseModel):
+    """What the engine passes for a canceled or abandoned run (`Kind.compensation`)."""
+
+    run_id: uuid.UUID
+    kind: str
+    input: dict[str, Any]
+
+
+def _task(ctx: StepContext) -> DownloadTask | None:
+    task_id = ctx.input.input.get("download_task_id")
+    if not task_id:
+        return None
+    with db.transaction() as s:
+        return s.get(DownloadTask, uuid.UUID(str(task_id)))
+
+
+def remove_torrent(ctx: StepContext) -> dict[str, Any]:
+    """Pause-and-remove with its partial data; reconcile: the infohash is gone."""
+    task = _task(ctx)
+    if task is None:
+        return {"skipped": True}
+    infohash = task.infohash
+
+    def do(att: Attempt) -> dict[str, Any]:
+        if qbt.find(infohash) is not None:
+            qbt.client().torrents_pause(torrent_hashes=infohash)
+            qbt.client().torrents_delete(delete_files=True, torrent_hashes=infohash)
+        return {"removed": infohash}
+
+    def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
+        return Done({"removed": infohash}) if qbt.find(infohash) is None else NotDone("still there")
+
+    return effect(
+        ctx, f"qbt-remove:{task.id}", {"infohash": infohash}, do, reconcile, effect_kind="qbittorrent"
+    )
+
+
+def clean_files(ctx: StepContext) -> dict[str, Any]:
+    """Temp files always go; library files go unless the import was recorded (finished)."""
+    task = _task(ctx)
+    if task is None:
+        return {"skipped": True}
+    meta = torrents.parse(task.torrent)
+    with db.transaction() as s:
+        recorded = set(s.scalars(select(LibraryItem.rel_path).where(LibraryItem.download_task_id == task.id)))
+    temps = removed = 0
+    for f in meta.files:
+        rel = library_rel(meta, f)
+        dst = library_path(task.id, rel)
+        temps += library.remove_temp_files(dst)
+        if rel not in recorded and dst.exists():
+            dst.unlink()
+            removed += 1
+    return {"temp_files": temps, "partial_files": removed}
+
+
+def mark_compensated(ctx: StepContext) -> dict[str, Any]:
+    task = _task(ctx)
+    if task is None:
+        return {"skipped": True}
+    with ctx.fenced() as s:
+        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="canceled"))
+        service.event(s, task.id, "compensated", run_id=str(ctx.input.run_id), kind=ctx.input.kind)
+    return {"status": "canceled"}
+
+
+COMPENSATE = register(
+    Kind(
+        name="compensate",
+        version=1,
+        retry=RetryPolicy.network(),
+        input_model=CompensateInput,
+        canvas=(
+            step("remove_torrent", remove_torrent),
+            step("clean_files", clean_files),
+            step("mark", mark_compensated),
+        ),
+        description="remove the torrent and partial/temp files of a canceled or abandoned run",
+    )
+)

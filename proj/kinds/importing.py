@@ -1,0 +1,150 @@
+"""`import`: verify the payload → copy each file into the library (fan-out, one ledger op per
+file) → record library items and queue `notify` and `retire_seed`."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+import outbox
+from proj.acquisition import library, service, torrents
+from proj.acquisition.models import DownloadTask, LibraryItem
+from proj.engine.context import StepContext
+from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step
+from proj.kinds.common import (
+    TaskInput,
+    download_dir,
+    library_path,
+    library_rel,
+    library_root,
+    load_task,
+)
+from proj.settings import get_settings
+
+
+class ImportInput(TaskInput):
+    """`generation` > 0 re-imports (after `verify_library` found corruption): new ledger ops."""
+
+    generation: int = 0
+
+
+def verify(ctx: StepContext) -> dict[str, Any]:
+    """Sizes and every piece hash must match before a byte reaches the library."""
+    task = load_task(ctx)
+    meta = torrents.parse(task.torrent)
+    torrents.verify_pieces(task.torrent, download_dir())
+    with ctx.fenced() as s:
+        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="importing"))
+        service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
+    return {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
+
+
+def _paths(task: DownloadTask, rel_path: str) -> tuple[Path, Path, str]:
+    """Source in the download folder, destination in the library, and the library-relative path."""
+    meta = torrents.parse(task.torrent)
+    f = next(f for f in meta.files if f.rel_path == rel_path)
+    rel = library_rel(meta, f)
+    return torrents.source_path(meta, download_dir(), f), library_path(task.id, rel), rel
+
+
+def copy_one(ctx: StepContext) -> dict[str, Any]:
+    """One file, once: temp file, chunks (each a cancel/lease checkpoint), fsync, rename."""
+    task = load_task(ctx)
+    rel_path, size = ctx.item["rel_path"], int(ctx.item["size"])
+    src, dst, rel = _paths(task, rel_path)
+    plan = {"src": str(src), "dst": str(dst), "size": size}
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] > 0.5 or done == total:
+            last[0] = now
+            ctx.report_progress(done, total, f"copying {rel_path}")
+
+    delay = get_settings().fault_chunk_delay_s  # fault injection: a copy slow enough to hit
+
+    def do(att: Attempt) -> dict[str, Any]:
+        def checkpoint() -> None:  # per chunk: cancel, lease and ledger attempt still ours?
+            if delay:
+                time.sleep(delay)
+            ctx.checkpoint()
+            att.check()
+
+        library.remove_temp_files(dst)  # earlier attempts' leftovers; this attempt is current
+        return library.copy_file(
+            src,
+            dst,
+            att.token.hex,
+            checkpoint=checkpoint,
+            progress=progress,
+            chunk=get_settings().copy_chunk_bytes,
+        )
+
+    def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
+        if dst.exists() and dst.stat().st_size == size:
+            digest = library.sha256_file(dst)
+            if digest == library.sha256_file(src):
+                return Done({"path": str(dst), "size": size, "sha256": digest, "reconciled": True})
+        return NotDone("destination missing or different")
+
+    key = f"copy:{task.id}:{ctx.input.generation}:{rel_path}"
+    result = effect(ctx, key, plan, do, reconcile, effect_kind="file")
+    return {**result, "rel_path": rel}
+
+
+def record(ctx: StepContext) -> dict[str, Any]:
+    """Library rows, status and the next events commit together under this step's lease."""
+    task = load_task(ctx)
+    copies = ctx.result("copy")
+    root = str(library_root())
+    seed_until = datetime.now(UTC) + timedelta(seconds=get_settings().seed_time_s)
+    with ctx.fenced() as s:
+        for c in copies:
+            s.execute(
+                pg_insert(LibraryItem)
+                .values(
+                    download_task_id=task.id,
+                    rel_path=c["rel_path"],
+                    root=root,
+                    size=c["size"],
+                    sha256=c["sha256"],
+                )
+                .on_conflict_do_update(
+                    index_elements=[LibraryItem.download_task_id, LibraryItem.rel_path],
+                    set_={"sha256": c["sha256"], "size": c["size"], "status": "ok", "root": root},
+                )
+            )
+        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="imported"))
+        service.event(s, task.id, "imported", files=len(copies))
+        outbox.add(s, "notify", f"notify:{task.id}", {"download_task_id": str(task.id)})
+        outbox.add(
+            s,
+            "retire_seed",
+            f"retire_seed:{task.id}",
+            {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()},
+        )
+    return {"files": len(copies)}
+
+
+IMPORT = register(
+    Kind(
+        name="import",
+        version=1,
+        retry=RetryPolicy.file(),
+        input_model=ImportInput,
+        canvas=(
+            step("verify", verify),
+            fan_out("copy", copy_one, over=lambda ctx: ctx.result("verify")["files"]),
+            step("record", record),
+        ),
+        on_cancel=service.mark_cancel_requested,
+        compensation="compensate",
+        description="verify pieces → copy each file (fan-out) → record library items",
+    )
+)

@@ -1,0 +1,51 @@
+"""`notify`: POST the requester's webhook once, with an idempotency key the receiver can use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from sqlalchemy import update
+
+from proj.acquisition import service
+from proj.acquisition.models import DownloadTask
+from proj.engine.context import StepContext
+from proj.engine.effects import Attempt, NotDone, effect
+from proj.engine.kind import Kind, RetryPolicy, register, step
+from proj.kinds.common import TaskInput, load_task
+
+
+def post_webhook(ctx: StepContext) -> dict[str, Any]:
+    task = load_task(ctx)
+    if not task.webhook_url:
+        return {"skipped": "no webhook"}
+    key = f"notify:{task.id}"
+    body = {"download_task_id": str(task.id), "title": task.title, "status": "imported"}
+
+    def do(att: Attempt) -> dict[str, Any]:
+        att.check()
+        r = httpx.post(task.webhook_url, json=body, headers={"Idempotency-Key": key}, timeout=10)
+        r.raise_for_status()
+        return {"status": r.status_code}
+
+    def reconcile(att: Attempt) -> NotDone:
+        # A webhook cannot be asked whether it saw us; re-send with the same Idempotency-Key.
+        return NotDone("re-send with the same Idempotency-Key")
+
+    result = effect(ctx, key, {"url": task.webhook_url}, do, reconcile, effect_kind="http")
+    with ctx.fenced() as s:
+        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="notified"))
+        service.event(s, task.id, "requester notified", status=result.get("status"))
+    return result
+
+
+NOTIFY = register(
+    Kind(
+        name="notify",
+        version=1,
+        retry=RetryPolicy.network(),
+        input_model=TaskInput,
+        canvas=(step("post", post_webhook),),
+        description="POST the requester's webhook with an Idempotency-Key",
+    )
+)

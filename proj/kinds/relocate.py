@@ -1,0 +1,83 @@
+"""`relocate`: move a library item to another root — a large, cancellable copy, then a switch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import update
+
+from proj import db
+from proj.acquisition import library, service
+from proj.acquisition.models import LibraryItem
+from proj.engine.context import StepContext
+from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.kind import Kind, RetryPolicy, register, step
+from proj.kinds.common import library_path
+from proj.settings import get_settings
+
+
+class RelocateInput(BaseModel):
+    library_item_id: int
+    new_root: str
+
+
+def _item(ctx: StepContext) -> LibraryItem:
+    with db.transaction() as s:
+        item = s.get(LibraryItem, ctx.input.library_item_id)
+    if item is None:
+        raise ValueError(f"no library item {ctx.input.library_item_id}")
+    return item
+
+
+def copy(ctx: StepContext) -> dict[str, Any]:
+    item = _item(ctx)
+    src = library_path(item.download_task_id, item.rel_path, Path(item.root))
+    dst = library_path(item.download_task_id, item.rel_path, Path(ctx.input.new_root))
+    if item.root == ctx.input.new_root:
+        return {"path": str(dst), "size": item.size, "sha256": item.sha256, "noop": True}
+
+    def do(att: Attempt) -> dict[str, Any]:
+        library.remove_temp_files(dst)
+        return library.copy_file(
+            src,
+            dst,
+            att.token.hex,
+            checkpoint=lambda: (ctx.checkpoint(), att.check()),
+            progress=lambda d, t: ctx.report_progress(d, t, "relocating") if d == t else None,
+            chunk=get_settings().copy_chunk_bytes,
+        )
+
+    def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
+        if dst.exists() and dst.stat().st_size == item.size and library.sha256_file(dst) == item.sha256:
+            return Done({"path": str(dst), "size": item.size, "sha256": item.sha256})
+        return NotDone("destination incomplete")
+
+    plan = {"src": str(src), "dst": str(dst), "sha256": item.sha256}
+    return effect(ctx, f"relocate:{item.id}:{ctx.input.new_root}", plan, do, reconcile, effect_kind="file")
+
+
+def switch(ctx: StepContext) -> dict[str, Any]:
+    """The row points at the new copy before the old one is deleted: never zero copies."""
+    item = _item(ctx)
+    old = library_path(item.download_task_id, item.rel_path, Path(item.root))
+    with ctx.fenced() as s:
+        s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(root=ctx.input.new_root))
+        service.event(s, item.download_task_id, "relocated", rel_path=item.rel_path, root=ctx.input.new_root)
+    if item.root != ctx.input.new_root:
+        old.unlink(missing_ok=True)
+        library.remove_temp_files(old)
+    return {"root": ctx.input.new_root}
+
+
+RELOCATE = register(
+    Kind(
+        name="relocate",
+        version=1,
+        retry=RetryPolicy.file(),
+        input_model=RelocateInput,
+        canvas=(step("copy", copy), step("switch", switch)),
+        description="move a library item to another root (cancellable chunked copy)",
+    )
+)

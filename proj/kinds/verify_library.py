@@ -1,0 +1,68 @@
+"""`verify_library` (periodic): re-hash library files, flag corruption, queue a re-import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+
+import outbox
+from proj import db
+from proj.acquisition import library, service
+from proj.acquisition.models import LibraryItem
+from proj.engine.context import StepContext
+from proj.engine.kind import Kind, RetryPolicy, register, step
+from proj.kinds.common import library_path
+from proj.kinds.reconcile_downloads import PeriodicInput, flag
+
+
+def item_path(item: LibraryItem) -> Path:
+    return library_path(item.download_task_id, item.rel_path, Path(item.root))
+
+
+def verify(ctx: StepContext) -> dict[str, Any]:
+    with db.transaction() as s:
+        items = list(s.scalars(select(LibraryItem).where(LibraryItem.status == "ok")))
+    bad: list[int] = []
+    for item in items:
+        ctx.checkpoint()
+        path = item_path(item)
+        if not path.exists() or library.sha256_file(path) != item.sha256:
+            bad.append(item.id)
+    with ctx.fenced() as s:
+        for item in items:
+            if item.id in bad:
+                s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(status="corrupt"))
+                flag(s, "corrupt_file", str(item.id), path=str(item_path(item)))
+                service.event(s, item.download_task_id, "corruption found", rel_path=item.rel_path)
+                outbox.add(
+                    s,
+                    "import",
+                    f"reimport:{item.download_task_id}:{ctx.input.bucket}",
+                    {"download_task_id": str(item.download_task_id), "generation": ctx.input.bucket},
+                )
+        s.execute(
+            update(LibraryItem)
+            .where(LibraryItem.id.in_([i.id for i in items if i.id not in bad]))
+            .values(verified_at=db_now())
+        )
+    return {"checked": len(items), "corrupt": len(bad)}
+
+
+def db_now() -> Any:
+    from sqlalchemy import func
+
+    return func.now()
+
+
+VERIFY_LIBRARY = register(
+    Kind(
+        name="verify_library",
+        version=1,
+        retry=RetryPolicy.file(),
+        input_model=PeriodicInput,
+        canvas=(step("verify", verify),),
+        description="periodic: re-hash library files, flag corruption, queue a re-import",
+    )
+)
