@@ -94,3 +94,17 @@ SOLO = register(
         global_limit=1,
     )
 )
+
+# Both limits: one run per key and three of the kind at once.
+SHARDED = register(
+    Kind(
+        name="sharded",
+        version=1,
+        retry=FAST_RETRY,
+        input_model=HoldInput,
+        canvas=(step("only", hold),),
+        concurrency_key=lambda inp: inp.key,
+        concurrency_limit=1,
+        global_limit=3,
+    )
+)

@@ -168,9 +168,7 @@ def test_priority_orders_the_start_of_waiting_runs(inproc) -> None:
         inproc.enqueue("solo", {"hold_s": 0.05}, idempotency_key=new_key(), priority=p) for p in priorities
     ]
     wait_for(lambda: all(_blocked(r.task_run_id) for r in refs), 10, what="all of them to wait")
-    assert inproc.get(refs[0].task_run_id).pending_reason.startswith(
-        "waiting for a slot: solo has 1/1 runs"
-    )
+    assert inproc.get(refs[0].task_run_id).pending_reason.startswith("waiting for a slot: solo has 1/1 runs")
     wait_for(lambda: _succeeded("solo") == len(refs) + 1, 30, what="all runs to finish")
 
     rows = sql(
@@ -219,3 +217,34 @@ def test_a_slot_is_per_run_fan_out_items_share_it(inproc) -> None:
     by_run = {run: [(r[4], r[5]) for r in rows if r[0] == run] for run in (a.task_run_id, b.task_run_id)}
     assert max_overlap(by_run[a.task_run_id]) >= 2, "a run's items share its slot"
     assert max(e for _, e in by_run[a.task_run_id]) <= min(s for s, _ in by_run[b.task_run_id])
+
+
+def test_a_waiting_run_can_be_canceled_and_never_starts(inproc) -> None:
+    key = f"user:{new_key()}"
+    a = inproc.enqueue("keyed_one", {"key": key, "hold_s": 1.5}, idempotency_key=new_key())
+    wait_for(lambda: _executions_of_key(key), 10, what="the holder to start")
+    b = inproc.enqueue("keyed_one", {"key": key, "hold_s": 0.1}, idempotency_key=new_key())
+    c = inproc.enqueue("keyed_one", {"key": key, "hold_s": 0.1}, idempotency_key=new_key())
+    wait_for(lambda: _blocked(b.task_run_id) and _blocked(c.task_run_id), 10, what="both to wait")
+    inproc.cancel(b.task_run_id, "requester withdrew")
+    assert inproc.get(b.task_run_id).status == "canceled"
+    wait_for(lambda: inproc.get(c.task_run_id).status == "succeeded", 20, what="the next in line to run")
+    assert inproc.get(a.task_run_id).status == "succeeded"
+    assert [r[0] for r in _executions_of_key(key)] == [a.task_run_id, c.task_run_id]
+
+
+def test_global_and_key_limits_together(inproc) -> None:
+    """One run per key and three of the kind at once, on a worker with four threads."""
+    keys = [f"k{i}:{new_key()}" for i in range(4)]
+    for _ in range(3):
+        for k in keys:
+            inproc.enqueue("sharded", {"key": k, "hold_s": 0.15}, idempotency_key=new_key())
+    wait_for(lambda: _succeeded("sharded") == 12, 60, what="all runs to finish")
+    rows = sql(
+        "SELECT r.concurrency_key, e.started_at, e.ended_at FROM testkit.execution e "
+        "JOIN engine.task_run r ON r.id = e.run_id"
+    )
+    assert len(rows) == 12
+    assert max_overlap([(r[1], r[2]) for r in rows]) <= 3
+    for k in keys:
+        assert max_overlap([(r[1], r[2]) for r in rows if r[0] == k]) == 1
