@@ -25,7 +25,9 @@ def upgrade() -> None:
     op.execute("ALTER TABLE engine.step ADD COLUMN blocked_at TIMESTAMP WITH TIME ZONE")
     op.execute("ALTER TABLE engine.step ADD COLUMN blocked_on TEXT CHECK (blocked_on IN ('global','key'))")
     # Waiters in line for a slot (few rows: only blocked, pending steps).
-    op.execute("CREATE INDEX step_blocked_idx ON engine.step (run_id) WHERE status = 'pending' AND blocked_at IS NOT NULL")
+    op.execute(
+        "CREATE INDEX step_blocked_idx ON engine.step (run_id) WHERE status = 'pending' AND blocked_at IS NOT NULL"
+    )
     # Holders and waiters are counted per kind and key among active runs.
     op.execute(
         "CREATE INDEX task_run_kind_key_idx ON engine.task_run (kind, concurrency_key) "
