@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import func, select
@@ -214,7 +214,7 @@ def dispatch_batch(
                 continue
             row.status = "dispatched"
             row.attempts = row.attempts + 1
-            row.dispatched_at = func.clock_timestamp()
+            row.dispatched_at = datetime.now(UTC)  # when enqueue returned, not when the batch commits
             run_id = getattr(ref, "task_run_id", ref)
             row.run_ref = None if run_id is None else str(run_id)[:200]
             report.dispatched += 1

@@ -423,3 +423,44 @@ def test_sigstopped_attempt_is_refused_and_the_effect_happens_once(procs, tmp_pa
     assert receiver.count(inp["op"]) == 1
     assert len(lines_for(inp["path"], f"file:{inp['op']}")) == 1
     assert _step(ref.task_run_id)[1:] == (2, "succeeded")
+
+
+# --------------------------------------------------------------------------------------------
+# packaging
+
+
+def schema_diff(schema: str, metadata) -> list:
+    """What alembic's autogenerate sees between the typed models and the migrated database."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    def include_name(name, type_, parent) -> bool:
+        return name == schema if type_ == "schema" else True
+
+    with db.get_engine().connect() as conn:
+        ctx = MigrationContext.configure(
+            conn,
+            opts={"include_schemas": True, "include_name": include_name, "compare_server_default": True},
+        )
+        return compare_metadata(ctx, metadata)
+
+
+def test_models_match_the_migration() -> None:
+    import ledger
+
+    assert schema_diff("ledger", ledger.Base.metadata) == []
+
+
+def test_ledger_and_outbox_do_not_import_proj() -> None:
+    import subprocess
+    import sys
+
+    from tests.support.services import ROOT
+
+    code = (
+        "import sys, ledger, outbox, outbox.celery, outbox.nudge\n"
+        "bad = sorted(m for m in sys.modules if m == 'proj' or m.startswith('proj.'))\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
