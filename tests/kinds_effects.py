@@ -168,6 +168,7 @@ def deliver(ctx: StepContext) -> dict[str, Any]:
             if when == "before":
                 att.check()  # the effect is irreversible: still ours?
         if inp.kill_in == where and inp.kill_when == when:
+            journal(inp.journal, event="kill", where=where, when=when, attempt=ctx.attempt)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def write_file(att: Attempt) -> dict[str, Any]:

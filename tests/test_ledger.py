@@ -8,6 +8,7 @@ real `celery -A proj worker` processes that are SIGKILLed or SIGSTOPped mid-oper
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import uuid
@@ -364,7 +365,7 @@ def test_kill_9_between_effect_and_commit_reconciles_without_a_second_effect(
         "SELECT attempt, outcome FROM engine.step_attempt WHERE step_id = %s ORDER BY attempt", (step_id,)
     )
     assert outcomes == [(1, None), (2, "succeeded")], "attempt 1 died without closing its row"
-    assert "SIGKILL" in procs.log("w1") + procs.log("w2")
+    assert_killed(procs, inp["journal"])
 
 
 def test_kill_9_before_the_effect_reconcile_says_not_done_and_it_is_redone_once(
@@ -384,6 +385,17 @@ def test_kill_9_before_the_effect_reconcile_says_not_done_and_it_is_redone_once(
     assert file["attempts"] == 1 and file["resolution"] == "effect"
     assert len(lines_for(inp["path"], f"file:{inp['op']}")) == 1
     assert _step(ref.task_run_id)[1:] == (2, "succeeded")
+    assert_killed(procs, inp["journal"])
+
+
+def assert_killed(procs, journal_path: str) -> None:
+    """The first attempt's process really died: it journaled the kill and is gone."""
+    kills = [e for e in read_journal(journal_path) if e["event"] == "kill"]
+    assert len(kills) == 1 and kills[0]["attempt"] == 1
+    pid = kills[0]["pid"]
+    wait_for(lambda: pid not in procs.children("w1") + procs.children("w2"), 10, what=f"pid {pid} to be gone")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 @pytest.mark.parametrize("when", ["after", "before"])

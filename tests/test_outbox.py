@@ -101,6 +101,27 @@ def test_rollback_leaves_no_row_and_no_nudge(nudges) -> None:
     assert len(nudges) == 1
     assert [r[1] for r in rows()] == ["pending"] * 3
 
+    # The same session, reused after a rollback, does not nudge for the rolled-back event; a
+    # savepoint rolled back inside a committed transaction does not cancel the outer nudge.
+    with sessions() as s:
+        s.begin()
+        outbox.add(s, "probe", f"{key}-gone", {"n": 5})
+        s.rollback()
+        s.begin()
+        s.execute(text("SELECT 1"))
+        s.commit()
+        assert nudge.current().flush(2) and len(nudges) == 1
+        s.begin()
+        outbox.add(s, "probe", f"{key}-outer", {"n": 6})
+        nested = s.begin_nested()
+        outbox.add(s, "probe", f"{key}-inner", {"n": 7})
+        nested.rollback()
+        s.commit()
+    assert nudge.current().flush(2) and len(nudges) == 2
+    assert sql(
+        "SELECT idempotency_key FROM outbox.outbox_event WHERE idempotency_key LIKE %s", (f"{key}-%",)
+    ) == [(f"{key}-{i}",) for i in range(3)] + [(f"{key}-outer",)]
+
     # The business write and the event share the fate of the transaction.
     with pytest.raises(RuntimeError), sessions.begin() as s:
         outbox.add(s, "probe", f"{key}-late", {"n": 9})
@@ -108,7 +129,7 @@ def test_rollback_leaves_no_row_and_no_nudge(nudges) -> None:
     assert (
         scalar("SELECT count(*) FROM outbox.outbox_event WHERE idempotency_key = %s", (f"{key}-late",)) == 0
     )
-    assert nudge.current().flush(2) and len(nudges) == 1
+    assert nudge.current().flush(2) and len(nudges) == 2
 
 
 def test_add_is_idempotent_and_validates(nudges) -> None:
