@@ -34,13 +34,24 @@ class TorrentMeta:
 
 
 def safe_relative(path: str) -> str:
-    """Reject absolute paths, `..` segments and empty names: nothing may leave the root."""
+    """Reject absolute paths, `..` and `.` segments and empty names: nothing may leave the root.
+
+    The raw segments are checked, not `PurePosixPath.parts`, which silently drops empty and `.`
+    segments (`a//b`, `a/./b`, a bare `.` naming the task folder itself).
+    """
     if not path or "\\" in path or "\x00" in path:
         raise BadTorrent(f"unsafe file name in torrent: {path!r}")
-    p = PurePosixPath(path)
-    if p.is_absolute() or any(part in ("..", ".", "") for part in p.parts):
+    if PurePosixPath(path).is_absolute() or any(seg in ("..", ".", "") for seg in path.split("/")):
         raise BadTorrent(f"file name escapes the library root: {path!r}")
-    return p.as_posix()
+    return path
+
+
+def _segment(seg: object) -> str:
+    """One element of a multi-file torrent's `path` list: a plain, non-empty name."""
+    s = str(seg)
+    if not s or "/" in s or s in (".", ".."):
+        raise BadTorrent(f"unsafe path segment in torrent: {s!r}")
+    return s
 
 
 def parse(data: bytes) -> TorrentMeta:
@@ -54,7 +65,7 @@ def parse(data: bytes) -> TorrentMeta:
         meta_info = t.metainfo["info"]
         name = str(meta_info["name"])
         if "files" in meta_info:
-            raw = [("/".join(str(s) for s in f["path"]), int(f["length"])) for f in meta_info["files"]]
+            raw = [("/".join(_segment(s) for s in f["path"]), int(f["length"])) for f in meta_info["files"]]
         else:
             raw = [(name, int(meta_info["length"]))]
         infohash = t.infohash.lower()

@@ -40,7 +40,8 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     meta = torrents.parse(task.torrent)
     torrents.verify_pieces(task.torrent, download_dir())
     with ctx.fenced() as s:
-        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="importing"))
+        if ctx.input.generation == 0:  # a re-import repairs files; the task's story is done
+            s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="importing"))
         service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
     return {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
 
@@ -120,6 +121,13 @@ def record(ctx: StepContext) -> dict[str, Any]:
                     set_={"sha256": c["sha256"], "size": c["size"], "status": "ok", "root": root},
                 )
             )
+        if ctx.input.generation:
+            # A re-import (after `verify_library` found corruption) only repairs the files: the
+            # requester was told and the seeding goal was queued by the first import. Queuing
+            # `retire_seed` again would carry a new `seed_until` under the same key
+            # (`OutboxConflict`, the record step could never commit).
+            service.event(s, task.id, "re-imported", files=len(copies), generation=ctx.input.generation)
+            return {"files": len(copies), "generation": ctx.input.generation}
         s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="imported"))
         service.event(s, task.id, "imported", files=len(copies))
         outbox.add(s, "notify", f"notify:{task.id}", {"download_task_id": str(task.id)})

@@ -1,7 +1,8 @@
 """`purge` (periodic): retention of finished runs' step data, dispatched outbox rows and signals.
 
 Run rows themselves stay (they hold the idempotency key and its input hash, which never
-expire); their steps, attempts and results older than the retention go.
+expire); their steps, attempts and results older than the retention go. Failed runs keep their
+steps: they are dead letters until an operator retries (from the failed step) or abandons them.
 """
 
 from __future__ import annotations
@@ -17,28 +18,29 @@ from proj.settings import get_settings
 
 
 def purge(ctx: StepContext) -> dict[str, Any]:
-    days = get_settings().retention_days
+    # In seconds: `RETENTION_DAYS` is a float and `make_interval(days => …)` takes only integers.
+    secs = get_settings().retention_days * 86400.0
     out: dict[str, Any] = {}
     with ctx.fenced() as s:
         out["steps"] = s.execute(
             text(
                 "DELETE FROM engine.step WHERE run_id IN (SELECT id FROM engine.task_run "
-                "WHERE status IN ('succeeded', 'failed', 'canceled') "
-                "AND finished_at < now() - make_interval(days => :d))"
+                "WHERE status IN ('succeeded', 'canceled') "
+                "AND finished_at < now() - make_interval(secs => :d))"
             ),
-            {"d": days},
+            {"d": secs},
         ).rowcount
         out["signals"] = s.execute(
-            text("DELETE FROM engine.task_signal WHERE created_at < now() - make_interval(days => :d)"),
-            {"d": days},
+            text("DELETE FROM engine.task_signal WHERE created_at < now() - make_interval(secs => :d)"),
+            {"d": secs},
         ).rowcount
         if s.scalar(text("SELECT to_regclass('outbox.outbox_event') IS NOT NULL")):
             out["outbox"] = s.execute(
                 text(
                     "DELETE FROM outbox.outbox_event WHERE status = 'dispatched' "
-                    "AND dispatched_at < now() - make_interval(days => :d)"
+                    "AND dispatched_at < now() - make_interval(secs => :d)"
                 ),
-                {"d": days},
+                {"d": secs},
             ).rowcount
     return out
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 from sqlalchemy import update
 
 from proj import db
@@ -22,6 +23,13 @@ class RelocateInput(BaseModel):
     library_item_id: int
     new_root: str
 
+    @field_validator("new_root")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v or not Path(v).is_absolute():
+            raise ValueError("new_root must be an absolute path")
+        return v
+
 
 def _item(ctx: StepContext) -> LibraryItem:
     with db.transaction() as s:
@@ -36,15 +44,28 @@ def copy(ctx: StepContext) -> dict[str, Any]:
     src = library_path(item.download_task_id, item.rel_path, Path(item.root))
     dst = library_path(item.download_task_id, item.rel_path, Path(ctx.input.new_root))
     if item.root == ctx.input.new_root:
-        return {"path": str(dst), "size": item.size, "sha256": item.sha256, "noop": True}
+        return {
+            "path": str(dst),
+            "size": item.size,
+            "sha256": item.sha256,
+            "noop": True,
+            "from_root": item.root,
+        }
+    delay = get_settings().fault_chunk_delay_s  # fault injection: a copy slow enough to cancel
 
     def do(att: Attempt) -> dict[str, Any]:
+        def checkpoint() -> None:  # per chunk: cancel, lease and ledger attempt still ours?
+            if delay:
+                time.sleep(delay)
+            ctx.checkpoint()
+            att.check()
+
         library.remove_temp_files(dst)
         return library.copy_file(
             src,
             dst,
             att.token.hex,
-            checkpoint=lambda: (ctx.checkpoint(), att.check()),
+            checkpoint=checkpoint,
             progress=lambda d, t: ctx.report_progress(d, t, "relocating") if d == t else None,
             chunk=get_settings().copy_chunk_bytes,
         )
@@ -55,17 +76,30 @@ def copy(ctx: StepContext) -> dict[str, Any]:
         return NotDone("destination incomplete")
 
     plan = {"src": str(src), "dst": str(dst), "sha256": item.sha256}
-    return effect(ctx, f"relocate:{item.id}:{ctx.input.new_root}", plan, do, reconcile, effect_kind="file")
+    # Keyed by the run, not by the target root: after A → B → A, a later move to B is a new copy
+    # (the old `relocate:<item>:B` result names a file that the move back to A deleted).
+    result = effect(ctx, f"relocate:{item.id}:{ctx.run_id}", plan, do, reconcile, effect_kind="file")
+    return {**result, "from_root": item.root}
 
 
 def switch(ctx: StepContext) -> dict[str, Any]:
     """The row points at the new copy before the old one is deleted: never zero copies."""
     item = _item(ctx)
-    old = library_path(item.download_task_id, item.rel_path, Path(item.root))
+    # The root the copy started from (committed with the copy step): a retry of this step after
+    # the row already points at the new root must still delete the old copy.
+    from_root = ctx.result("copy").get("from_root", item.root)
+    old = library_path(item.download_task_id, item.rel_path, Path(from_root))
     with ctx.fenced() as s:
         s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(root=ctx.input.new_root))
-        service.event(s, item.download_task_id, "relocated", rel_path=item.rel_path, root=ctx.input.new_root)
-    if item.root != ctx.input.new_root:
+        service.event(
+            s,
+            item.download_task_id,
+            "relocated",
+            rel_path=item.rel_path,
+            root=ctx.input.new_root,
+            from_root=from_root,
+        )
+    if from_root != ctx.input.new_root:
         old.unlink(missing_ok=True)
         library.remove_temp_files(old)
     return {"root": ctx.input.new_root}
