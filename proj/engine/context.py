@@ -120,6 +120,17 @@ class StepContext(PlanContext):
         if self.cancel_requested():
             raise CancelRequested(f"run {self.run_id} was canceled")
 
+    def fence(self, session: Session) -> None:
+        """Inside `session`'s transaction: lock this attempt's step row while it still holds the
+        lease (and extend it), or raise `LeaseLost`. Every fenced write starts with this."""
+        row = session.execute(
+            _FENCE, {"ttl": get_settings().lease_ttl_s, "id": self.step_id, "tok": self.token}
+        ).first()
+        if row is None:
+            if self.lease is not None:
+                self.lease.lost.set()
+            raise LeaseLost(f"step {self.step_id}: lease lost, commit refused")
+
     @contextmanager
     def fenced(self) -> Iterator[Session]:
         """A transaction that only commits while this attempt still holds the lease.
@@ -128,13 +139,7 @@ class StepContext(PlanContext):
         worker in between.
         """
         with db.transaction() as s:
-            fence = s.execute(
-                _FENCE, {"ttl": get_settings().lease_ttl_s, "id": self.step_id, "tok": self.token}
-            ).first()
-            if fence is None:
-                if self.lease is not None:
-                    self.lease.lost.set()
-                raise LeaseLost(f"step {self.step_id}: lease lost, commit refused")
+            self.fence(s)
             yield s
 
     def report_progress(self, done: float, total: float, message: str | None = None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from ledger import Attempt, CommitRefused, Done, NotDone, run_operation
@@ -27,29 +26,9 @@ from proj.settings import get_settings
 
 R = TypeVar("R")
 
-# The statement of `StepContext.fenced()`: extend the lease only if this attempt still holds it.
-_FENCE = text(
-    """
-    UPDATE engine.step SET lease_until = now() + make_interval(secs => :ttl)
-     WHERE id = :id AND lease_token = :tok AND status = 'running'
- RETURNING id
-    """
-)
-
-
 def step_fence(ctx: StepContext) -> Callable[[Session], None]:
     """A ledger fence for this step attempt: raises `LeaseLost` once the lease is gone."""
-
-    def fence(session: Session) -> None:
-        row = session.execute(
-            _FENCE, {"ttl": get_settings().lease_ttl_s, "id": ctx.step_id, "tok": ctx.token}
-        ).first()
-        if row is None:
-            if ctx.lease is not None:
-                ctx.lease.lost.set()
-            raise LeaseLost(f"step {ctx.step_id}: lease lost")
-
-    return fence
+    return ctx.fence
 
 
 def _session() -> Session:

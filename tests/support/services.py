@@ -133,9 +133,22 @@ def truncate_all() -> None:
 
 
 def flush_broker() -> None:
+    """Drop queued messages left by the previous test (they are hints, but stale ones add noise)."""
     url = os.environ["BROKER_URL"]
     if url.startswith("redis://"):
         redis.Redis.from_url(url).flushdb()
+    elif url.startswith("amqp://"):
+        import kombu
+
+        from proj.engine.kind import all_kinds
+
+        with kombu.Connection(url) as conn:
+            for name in ["engine", *{k.queue for k in all_kinds()}]:
+                ch = conn.channel()  # one per queue: a missing queue (404) closes its channel
+                with contextlib.suppress(Exception):
+                    ch.queue_purge(name)
+                with contextlib.suppress(Exception):
+                    ch.close()
 
 
 def terminate_app_connections() -> int:
