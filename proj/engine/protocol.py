@@ -48,42 +48,57 @@ log = logging.getLogger(__name__)
 
 TERMINAL = ("succeeded", "failed", "canceled")
 
+# The claim is one statement: it takes the lease, marks the run started and opens the attempt
+# record (same lock order as before: the step row, then the run row).
 _CLAIM = text(
     """
-    UPDATE engine.step s
-       SET status = 'running', lease_token = :tok, lease_owner = :owner,
-           lease_until = now() + make_interval(secs => :ttl),
-           attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
-           blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
-      FROM engine.task_run r
-     WHERE s.id = :id AND r.id = s.run_id
-       AND s.status = 'pending' AND s.next_attempt_at <= now()
-       AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
- RETURNING s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
-           r.kind, r.version, r.input, r.created_at, r.priority, r.concurrency_key, r.trace, now()
+    WITH claimed AS (
+        UPDATE engine.step s
+           SET status = 'running', lease_token = :tok, lease_owner = :owner,
+               lease_until = now() + make_interval(secs => :ttl),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
+          FROM engine.task_run r
+         WHERE s.id = :id AND r.id = s.run_id
+           AND s.status = 'pending' AND s.next_attempt_at <= now()
+           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+     RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
+               r.kind, r.version, r.input, r.created_at, r.priority, r.concurrency_key, r.trace,
+               now() AS claimed_at
+    ), started AS (
+        UPDATE engine.task_run t
+           SET status = 'running', current_step = c.name, updated_at = now(),
+               started_at = coalesce(t.started_at, now())
+          FROM claimed c
+         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+    ), attempt AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
+        SELECT id, attempts, :tok, :owner FROM claimed
+    )
+    SELECT * FROM claimed
     """
-)
-_RUN_STARTED = text(
-    """
-    UPDATE engine.task_run SET status = 'running', current_step = :name, updated_at = now(),
-           started_at = coalesce(started_at, now())
-     WHERE id = :run AND status IN ('pending', 'waiting')
-    """
-)
-_ATTEMPT = text(
-    "INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker) "
-    "VALUES (:id, :attempt, :tok, :owner)"
 )
 _CLOSE_ATTEMPT = text(
     "UPDATE engine.step_attempt SET outcome = :outcome, ended_at = now(), "
     "error = CAST(:error AS jsonb) WHERE step_id = :id AND lease_token = :tok"
 )
+# The fenced commit of a result also closes its attempt record and locks the run row (for
+# `advance`) in one statement; no row means the lease is gone.
 _SUCCEED = text(
     """
-    UPDATE engine.step SET status = 'succeeded', result = CAST(:result AS jsonb),
-           finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
-     WHERE id = :id AND lease_token = :tok AND status = 'running'
- RETURNING id
+    WITH done AS (
+        UPDATE engine.step SET status = 'succeeded', result = CAST(:result AS jsonb),
+               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+         WHERE id = :id AND lease_token = :tok AND status = 'running'
+     RETURNING id, run_id
+    ), closed AS (
+        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
+          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
+    )
+    SELECT r.id, r.kind, r.version, r.input, r.status, r.current_stage, r.cancel_requested_at,
+           r.priority, r.trace, r.created_at
+      FROM done JOIN engine.task_run r ON r.id = done.run_id
+       FOR UPDATE OF r
     """
 )
 
@@ -142,8 +157,17 @@ def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
     """The claim transaction; also returns waiters to wake when a denial saw free slots."""
     token = uuid.uuid4()
     kicks: list[Dispatch] = []
-    with db.transaction() as s:
-        if any_limits():  # kinds without limits never pay for the extra read
+    params = {"id": step_id, "tok": token, "owner": worker_id(), "ttl": get_settings().lease_ttl_s}
+    if not any_limits():
+        # Nothing to admit: the claim is a single statement, atomic on its own, so it runs in
+        # autocommit and saves the BEGIN and COMMIT round trips.
+        with db.get_engine().connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            row = conn.execute(_CLAIM, params).first()
+        if row is None:
+            return None, []
+    else:
+        with db.transaction() as s:
             slot = s.execute(_SLOT_OF, {"id": step_id}).first()
             if slot is None:
                 return None, []
@@ -152,14 +176,9 @@ def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
                 denial, kicks = _admit(s, slot, gates)
                 if denial is not None:
                     return None, kicks + _deny(s, step_id, denial)
-        row = s.execute(
-            _CLAIM,
-            {"id": step_id, "tok": token, "owner": worker_id(), "ttl": get_settings().lease_ttl_s},
-        ).first()
-        if row is None:
-            return None, []
-        s.execute(_RUN_STARTED, {"run": row.run_id, "name": row.name})
-        s.execute(_ATTEMPT, {"id": step_id, "attempt": row.attempts, "tok": token, "owner": worker_id()})
+            row = s.execute(_CLAIM, params).first()
+            if row is None:
+                return None, []
     return Claim(
         step_id=step_id,
         run_id=row.run_id,
@@ -173,7 +192,7 @@ def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
         version=row.version,
         input=row.input,
         run_created_at=row.created_at,
-        claimed_at=row[-1],
+        claimed_at=row.claimed_at,
         token=token,
         priority=row.priority,
         concurrency_key=row.concurrency_key,
@@ -445,10 +464,10 @@ def commit_success(c: Claim, kind: Kind, result: Any) -> list[Dispatch]:
     """Store the result and advance the run, or refuse if the lease is gone."""
     payload = to_json(result)
     with db.transaction() as s:
-        if s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first() is None:
+        run = s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first()
+        if run is None:
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
-        _close_attempt(s, c, "succeeded")
-        return advance(s, c.run_id)
+        return advance(s, c.run_id, run=run, stage=c.stage)
 
 
 def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[str, list[Dispatch]]:
@@ -543,31 +562,40 @@ def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> None:
 # advancing the chain
 
 
-def advance(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
+def advance(s: Session, run_id: uuid.UUID, *, run: Any = None, stage: int | None = None) -> list[Dispatch]:
     """After a step committed: if its stage is complete, start the next one or finish the run.
 
-    The run row lock serialises the fan-in, so exactly one committer advances a stage.
+    The run row lock serialises the fan-in, so exactly one committer advances a stage. `run` is
+    the run row when the caller locked it already; `stage` the stage of the step it committed.
     """
-    run = s.execute(
-        text(
-            "SELECT id, kind, version, input, status, current_stage, cancel_requested_at, priority, "
-            "trace, created_at FROM engine.task_run WHERE id = :id FOR UPDATE"
-        ),
-        {"id": run_id},
-    ).first()
+    if run is None:
+        run = s.execute(
+            text(
+                "SELECT id, kind, version, input, status, current_stage, cancel_requested_at, "
+                "priority, trace, created_at FROM engine.task_run WHERE id = :id FOR UPDATE"
+            ),
+            {"id": run_id},
+        ).first()
     if run is None or run.status in TERMINAL:
         return []
-    open_steps = s.scalar(
-        text(
-            "SELECT count(*) FROM engine.step WHERE run_id = :id AND stage = :stage AND status <> 'succeeded'"
-        ),
-        {"id": run_id, "stage": run.current_stage},
-    )
-    if open_steps:
-        return []
+    kind = get_kind(run.kind, run.version)
+    current = kind.canvas[run.current_stage] if run.current_stage < len(kind.canvas) else None
+    # A stage of one static step has one row ((run_id, stage, item_index) is unique): if the
+    # caller just committed it, nothing is left open and the count can be skipped.
+    sole = current is not None and current.over is None and len(current.steps) == 1
+    if not (sole and stage == run.current_stage):
+        # A statement of its own, after the lock: its snapshot sees every committed sibling.
+        open_steps = s.scalar(
+            text(
+                "SELECT count(*) FROM engine.step WHERE run_id = :id AND stage = :stage "
+                "AND status <> 'succeeded'"
+            ),
+            {"id": run_id, "stage": run.current_stage},
+        )
+        if open_steps:
+            return []
     if run.cancel_requested_at is not None:
         return finalize_cancel(s, run_id)
-    kind = get_kind(run.kind, run.version)
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)
     stage = run.current_stage + 1
     while stage < len(kind.canvas):
@@ -587,6 +615,28 @@ def advance(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
     )
     tracing.run_finished(s, run, "succeeded", finished_at)
     return []
+
+
+# A stage's step rows and the run pointer in one statement (a data-modifying CTE always runs, so
+# an empty fan-out still moves the pointer); rows that exist already are left alone.
+_CREATE_STAGE = text(
+    """
+    WITH ins AS (
+        INSERT INTO engine.step (run_id, stage, name, item_index, item, max_attempts,
+                                 next_attempt_at, published_at)
+        SELECT :run, :stage, n.name, n.idx, CAST(n.item AS jsonb), n.max,
+               coalesce(:at, now()), CASE WHEN :due THEN now() END
+          FROM unnest(CAST(:names AS text[]), CAST(:idxs AS int[]), CAST(:items AS text[]),
+                      CAST(:maxs AS int[])) AS n(name, idx, item, max)
+        ON CONFLICT (run_id, stage, item_index) DO NOTHING
+        RETURNING id, name, item_index
+    ), pointed AS (
+        UPDATE engine.task_run SET current_stage = :stage, current_step = :label, updated_at = now()
+         WHERE id = :run
+    )
+    SELECT id, name FROM ins ORDER BY item_index
+    """
+)
 
 
 def create_stage(
@@ -610,39 +660,21 @@ def create_stage(
     else:
         rows = [(sd, i, None) for i, sd in enumerate(st.steps)]
     due_now = available_at is None
-    out: list[Dispatch] = []
-    for sd, index, item in rows:
-        step_id = s.scalar(
-            text(
-                """
-                INSERT INTO engine.step (run_id, stage, name, item_index, item, max_attempts,
-                                         next_attempt_at, published_at)
-                VALUES (:run, :stage, :name, :idx, CAST(:item AS jsonb), :max,
-                        coalesce(:at, now()), CASE WHEN :due THEN now() END)
-                ON CONFLICT (run_id, stage, item_index) DO NOTHING
-                RETURNING id
-                """
-            ),
-            {
-                "run": run_id,
-                "stage": stage,
-                "name": sd.name,
-                "idx": index,
-                "item": item,
-                "max": kind.policy_for(sd).max_attempts,
-                "at": available_at,
-                "due": due_now,
-            },
-        )
-        if step_id is not None and due_now:
-            out.append(Dispatch(step_id, kind.task_name(sd.name), kind.queue, priority))
-    s.execute(
-        text(
-            "UPDATE engine.task_run SET current_stage = :stage, current_step = :label, "
-            "updated_at = now() WHERE id = :id"
-        ),
-        {"stage": stage, "label": st.label, "id": run_id},
-    )
+    inserted = s.execute(
+        _CREATE_STAGE,
+        {
+            "run": run_id,
+            "stage": stage,
+            "label": st.label,
+            "names": [sd.name for sd, _, _ in rows],
+            "idxs": [index for _, index, _ in rows],
+            "items": [item for _, _, item in rows],
+            "maxs": [kind.policy_for(sd).max_attempts for sd, _, _ in rows],
+            "at": available_at,
+            "due": due_now,
+        },
+    ).all()
+    out = [Dispatch(r.id, kind.task_name(r.name), kind.queue, priority) for r in inserted] if due_now else []
     return bool(rows), out
 
 

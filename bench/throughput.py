@@ -1,0 +1,575 @@
+"""Throughput: N runs x 5 no-op steps through the engine vs N plain Celery chains of 5 no-op tasks.
+
+One invocation starts one real worker (`celery -A proj worker -P prefork`), serving both the
+`noop5` kind and the plain tasks of `bench.kinds`, on its own database and Redis db, then
+measures plain and ours alternately and prints median rates and the ratio ours/plain.
+
+    .venv/bin/python -m bench.throughput [--runs 200] [--concurrency 2] [--rounds 2] [--json]
+
+Completion is observed by polling every 50 ms: `engine.task_run` succeeded count for ours, a
+Redis counter INCRed by each chain's last task for plain. Both timings run from the first
+message submitted to the poll that sees all N done, so they include enqueueing (ours inserts the
+N runs in one transaction, then publishes the N first steps with one producer; plain sends the
+N chains with one producer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+POLL_S = 0.05
+LOCK_KEY = "bench:throughput:lock"
+LOCK_TTL_S = 600
+STEPS = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=200, help="runs (ours) and chains (plain) per round")
+    p.add_argument("--concurrency", type=int, default=2, help="prefork worker processes")
+    p.add_argument("--rounds", type=int, default=2, help="measured rounds of each (alternating)")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up runs/chains of each")
+    p.add_argument("--db", default="proj_bench", help="database (created if missing)")
+    p.add_argument("--pg-admin", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    p.add_argument("--broker", default="redis://127.0.0.1:6379/11")
+    p.add_argument("--timeout", type=float, default=60.0, help="per-round timeout, seconds")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="record the worker with py-spy (--subprocesses) during the ours rounds; "
+        "writes FILE (speedscope JSON if it ends in .json, else flamegraph SVG)",
+    )
+    return p.parse_args(argv)
+
+
+def configure_env(args: argparse.Namespace) -> dict[str, str]:
+    """Settings are read once per process: set them before `proj` is imported (here and worker)."""
+    env = {
+        "DATABASE_URL": args.pg_admin.rsplit("/", 1)[0] + "/" + args.db,
+        "BROKER_URL": args.broker,
+        "ENGINE_EXTRA_KINDS": "bench.kinds",
+        "WORKER_CONCURRENCY": str(args.concurrency),
+    }
+    os.environ.update(env)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# services
+
+
+def ensure_database(admin_url: str, name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+class Worker:
+    """One `celery -A proj worker` in its own session, so a signal reaches its children."""
+
+    def __init__(self, concurrency: int, env: dict[str, str], log: Path) -> None:
+        self.log = log
+        full_env = {**os.environ, **env}
+        full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [
+                str(VENV_BIN / "celery"),
+                "-A",
+                "proj",
+                "worker",
+                "-n",
+                f"bench-{os.getpid()}@%h",
+                "-P",
+                "prefork",
+                "-c",
+                str(concurrency),
+                "-O",
+                "fair",
+                "--without-mingle",
+                "--without-gossip",
+                "--loglevel",
+                "WARNING",
+            ],
+            cwd=ROOT,
+            env=full_env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def check(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise SystemExit(f"worker exited {code}:\n{self.log.read_text(errors='replace')[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+# --------------------------------------------------------------------------------------------
+# where the CPU goes (Linux /proc): worker main, worker children, Postgres, Redis, this driver
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
+def _machine_cpu() -> tuple[float, float, float]:
+    """(busy, total, irq) CPU seconds of the whole machine since boot."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(parts[:8])
+    idle = parts[3] + parts[4] + parts[7]  # idle, iowait, steal (the hypervisor's, not ours)
+    irq = parts[5] + parts[6]  # irq + softirq: loopback networking is mostly here
+    return (total - idle) / CLK_TCK, total / CLK_TCK, irq / CLK_TCK
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class CpuMeter:
+    """CPU seconds per component over one round (a process born mid-round counts from birth)."""
+
+    def __init__(self, worker_pid: int, pg: Any) -> None:
+        self.worker_pid = worker_pid
+        self.pg = pg
+
+    def _groups(self) -> dict[str, list[int]]:
+        backends = [
+            int(r[0])
+            for r in self.pg.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            ).fetchall()
+        ]
+        redis_pids, pg_aux = [], []
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            comm = _comm(int(p.name))
+            if comm == "redis-server":
+                redis_pids.append(int(p.name))
+            elif comm == "postgres" and "(" not in _cmdline(int(p.name)):
+                pg_aux.append(int(p.name))  # walwriter, checkpointer, autovacuum… (not backends)
+        return {
+            "worker main": [self.worker_pid],
+            "worker children": _children(self.worker_pid),
+            "postgres backends": backends,
+            "postgres aux": pg_aux,
+            "redis-server": redis_pids,
+            "driver": [os.getpid()],
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        groups = self._groups()
+        return {
+            "pids": {g: {p: _proc_cpu(p) for p in pids} for g, pids in groups.items()},
+            "machine": _machine_cpu(),
+        }
+
+    def since(self, start: dict[str, Any]) -> dict[str, float]:
+        end = self.snapshot()
+        out: dict[str, float] = {}
+        for group, pids in end["pids"].items():
+            before = start["pids"].get(group, {})
+            out[group] = sum(max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in pids.items())
+        busy, total, irq = (e - b for e, b in zip(end["machine"], start["machine"], strict=True))
+        out["irq+softirq"] = irq
+        out["other"] = max(0.0, busy - sum(out.values()))  # other users of the machine
+        out["machine busy"] = busy
+        out["machine busy %"] = 100.0 * busy / total if total else 0.0
+        return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------
+# the two sides
+
+
+class RedisRestarted(Exception):
+    """The broker lost its queues during a round."""
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, worker: Worker) -> None:
+        import psycopg
+        import redis
+
+        from bench.kinds import PLAIN_COUNTER
+
+        self.args = args
+        self.worker = worker
+        self.redis = redis.Redis.from_url(args.broker)
+        self.counter_key = PLAIN_COUNTER
+        self.pg = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
+        self.cpu = CpuMeter(worker.proc.pid, self.pg)
+
+    # ours ----------------------------------------------------------------------------------
+
+    def reset_ours(self) -> None:
+        self.pg.execute("TRUNCATE engine.step_attempt, engine.step, engine.task_run CASCADE")
+
+    def ours_done(self) -> int:
+        row = self.pg.execute(
+            "SELECT count(*) FROM engine.task_run WHERE status = 'succeeded' AND kind = 'noop5'"
+        ).fetchone()
+        return int(row[0])
+
+    def submit_ours(self, n: int) -> None:
+        from proj import db
+        from proj.engine import dispatch, runs
+
+        tag = uuid.uuid4().hex
+        out = []
+        with db.transaction() as s:
+            for i in range(n):
+                _ref, first = runs.insert_run(s, "noop5", {"i": i}, idempotency_key=f"{tag}-{i}")
+                out.extend(first)
+        dispatch.publish_after_commit(out)
+
+    # plain ---------------------------------------------------------------------------------
+
+    def reset_plain(self) -> None:
+        self.redis.delete(self.counter_key)
+
+    def plain_done(self) -> int:
+        return int(self.redis.get(self.counter_key) or 0)
+
+    def submit_plain(self, n: int) -> None:
+        from celery import chain
+
+        from bench.kinds import PLAIN_QUEUE, plain_done, plain_noop
+        from proj.celery import app
+
+        with app.producer_or_acquire() as producer:
+            for _ in range(n):
+                sig = chain(*(plain_noop.si() for _ in range(STEPS - 1)), plain_done.si())
+                sig.apply_async(queue=PLAIN_QUEUE, producer=producer)
+
+    # one round -----------------------------------------------------------------------------
+
+    def _redis_run_id(self) -> str | None:
+        import redis
+
+        try:
+            return str(self.redis.info("server")["run_id"])
+        except redis.exceptions.ConnectionError:
+            return None
+
+    def run(self, side: str, n: int, tries: int = 3) -> dict[str, Any]:
+        """One round; again (up to `tries`) if Redis was restarted under it (some tests do that)."""
+        import kombu.exceptions
+        import redis
+
+        gone = (RedisRestarted, redis.exceptions.ConnectionError, kombu.exceptions.OperationalError)
+        for _ in range(tries):
+            try:
+                return self.round(side, n)
+            except gone as exc:
+                print(f"{side} round interrupted ({exc}); running it again", file=sys.stderr)
+                deadline = time.monotonic() + 60
+                while self._redis_run_id() is None and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                time.sleep(2.0)  # let the worker reconnect
+                self.worker.check()
+        raise SystemExit(f"{side}: Redis kept going away; run the benchmark again on a quieter machine")
+
+    def round(self, side: str, n: int) -> dict[str, Any]:
+        reset, submit, done = {
+            "ours": (self.reset_ours, self.submit_ours, self.ours_done),
+            "plain": (self.reset_plain, self.submit_plain, self.plain_done),
+        }[side]
+        reset()
+        redis_run = self._redis_run_id()
+        cpu0 = self.cpu.snapshot()
+        t0 = time.perf_counter()
+        submit(n)
+        t_sub = time.perf_counter() - t0
+        deadline = t0 + self.args.timeout
+        polls = 0
+        while True:
+            got = done()
+            if got >= n:
+                break
+            polls += 1
+            if polls % 20 == 0 and self._redis_run_id() != redis_run:
+                raise RedisRestarted("Redis restarted during the round: its queued messages are lost")
+            if time.perf_counter() > deadline:
+                self.worker.check()
+                raise SystemExit(f"{side}: only {got}/{n} done after {self.args.timeout}s")
+            time.sleep(POLL_S)
+        elapsed = time.perf_counter() - t0
+        cpu = self.cpu.since(cpu0)
+        return {
+            "seconds": elapsed,
+            "submit_s": t_sub,
+            "runs_per_s": n / elapsed,
+            "steps_per_s": n * STEPS / elapsed,
+            "cpu_ms_per_step": {k: 1000.0 * v / (n * STEPS) for k, v in cpu.items() if "%" not in k},
+            "machine_busy_pct": cpu["machine busy %"],
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+def machine() -> dict[str, Any]:
+    import celery
+    import kombu
+    import psycopg
+    import redis
+    import sqlalchemy
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
+        pg_version = conn.execute("SHOW server_version").fetchone()[0]
+    redis_version = redis.Redis.from_url(os.environ["BROKER_URL"]).info("server")["redis_version"]
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "sqlalchemy": sqlalchemy.__version__,
+        "psycopg": psycopg.__version__,
+        "postgres": pg_version,
+        "redis": redis_version,
+    }
+
+
+def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for side, rs in rounds.items():
+        keys = ("steps_per_s", "runs_per_s", "seconds", "submit_s", "machine_busy_pct")
+        out[side] = {k: statistics.median(r[k] for r in rs) for k in keys}
+        out[side]["cpu_ms_per_step"] = {
+            g: statistics.median(r["cpu_ms_per_step"][g] for r in rs) for g in rs[0]["cpu_ms_per_step"]
+        }
+    return out
+
+
+SERVICE_GROUPS = ("worker main", "worker children", "postgres backends", "postgres aux", "redis-server")
+NOISY_OTHER_MS = 1.0  # 'other' CPU per step above which the machine was not quiet
+
+
+def service_cpu(side: dict[str, Any]) -> float:
+    """CPU ms per step spent by the worker, its Postgres backends and Redis (not the driver)."""
+    return sum(side["cpu_ms_per_step"][g] for g in SERVICE_GROUPS)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    cfg, m = report["config"], report["machine"]
+    print(
+        f"{cfg['runs']} runs x {STEPS} no-op steps; worker -P prefork -c {cfg['concurrency']} -O fair, "
+        f"prefetch multiplier {cfg['prefetch_multiplier']}; broker {cfg['broker']}; db {cfg['db']}"
+    )
+    print(
+        f"machine: {m['nproc']} cpu ({m['cpu']}); Python {m['python']}, Celery {m['celery']}, "
+        f"Postgres {m['postgres']}, Redis {m['redis']}"
+    )
+    print()
+    print(f"{'round':<10}{'side':<7}{'seconds':>9}{'submit s':>10}{'steps/s':>10}{'runs/s':>9}")
+    for r in report["rounds"]:
+        print(
+            f"{r['round']:<10}{r['side']:<7}{r['seconds']:>9.2f}{r['submit_s']:>10.2f}"
+            f"{r['steps_per_s']:>10.1f}{r['runs_per_s']:>9.1f}"
+        )
+    print()
+    for side in ("plain", "ours"):
+        s = report["median"][side]
+        print(
+            f"{'median':<10}{side:<7}{s['seconds']:>9.2f}{s['submit_s']:>10.2f}"
+            f"{s['steps_per_s']:>10.1f}{s['runs_per_s']:>9.1f}"
+        )
+    print()
+    plain, ours = report["median"]["plain"], report["median"]["ours"]
+    print("CPU ms per step (median of rounds)        plain      ours")
+    for g in ours["cpu_ms_per_step"]:
+        print(f"  {g:<38}{plain['cpu_ms_per_step'][g]:>7.2f}{ours['cpu_ms_per_step'][g]:>10.2f}")
+    print(
+        f"  {'machine busy, % of ' + str(m['nproc']) + ' cpu':<38}"
+        f"{plain['machine_busy_pct']:>7.0f}{ours['machine_busy_pct']:>10.0f}"
+    )
+    if report["noisy"]:
+        print(
+            "  WARNING: other processes were busy during the rounds ('other' above): the machine was"
+            " not quiet, rates are pessimistic and the ratio noisy; run again when it is idle"
+        )
+    print(
+        f"CPU cost ratio (worker + postgres + redis CPU per step, plain/ours) = {report['cpu_ratio']:.2f}"
+        " -- what the rate ratio would be if the machine were only CPU-bound by this benchmark"
+    )
+    print()
+    print(f"ratio ours/plain = {report['ratio']:.2f} (target >= 0.70)")
+
+
+def start_profiler(pid: int, out: str, seconds: float) -> subprocess.Popen[bytes]:
+    fmt = "speedscope" if out.endswith(".json") else "flamegraph"
+    return subprocess.Popen(
+        [
+            str(VENV_BIN / "py-spy"),
+            "record",
+            "--pid",
+            str(pid),
+            "--subprocesses",
+            "--format",
+            fmt,
+            "--output",
+            out,
+            "--duration",
+            str(int(seconds)),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = configure_env(args)
+    ensure_database(args.pg_admin, args.db)
+
+    import redis
+
+    import proj.celery  # noqa: F401  (the app first: it loads bench.kinds)
+    from proj.cli import migrate_to_head
+
+    migrate_to_head()
+    broker = redis.Redis.from_url(args.broker)
+    deadline = time.monotonic() + 60  # a test elsewhere may be restarting Redis
+    while True:
+        try:
+            broker.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    # One benchmark per Redis db: a second one would flush and consume the first one's messages.
+    if not broker.set(LOCK_KEY, os.getpid(), nx=True, ex=LOCK_TTL_S):
+        holder = (broker.get(LOCK_KEY) or b"?").decode()
+        raise SystemExit(
+            f"another bench.throughput (pid {holder}) is using {args.broker}; "
+            "wait for it or pass another --broker db"
+        )
+    broker.flushdb()
+    broker.set(LOCK_KEY, os.getpid(), ex=LOCK_TTL_S)
+
+    log = Path(tempfile.mkdtemp(prefix="bench-")) / "worker.log"
+    worker = Worker(args.concurrency, env, log)
+    rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "ours": []}
+    flat: list[dict[str, Any]] = []
+    try:
+        bench = Bench(args, worker)
+        # Warm-up doubles as the readiness check (at WARNING the worker prints no "ready").
+        bench.args.timeout, timeout = max(args.timeout, 90.0), args.timeout
+        bench.run("plain", args.warmup)
+        bench.run("ours", args.warmup)
+        bench.args.timeout = timeout
+        for i in range(args.rounds):
+            for side in ("plain", "ours"):
+                prof = None
+                if args.profile and side == "ours":
+                    out = args.profile if args.rounds == 1 else f"{i}.".join(args.profile.rsplit(".", 1))
+                    prof = start_profiler(worker.proc.pid, out, args.runs * STEPS / 100 + 5)
+                    time.sleep(1.0)
+                r = bench.run(side, args.runs)
+                if prof is not None:
+                    prof.send_signal(signal.SIGINT)
+                    prof.wait(30)
+                rounds[side].append(r)
+                flat.append({"round": f"{i + 1}", "side": side, **r})
+                worker.check()
+    finally:
+        worker.stop()
+        if broker.get(LOCK_KEY) == str(os.getpid()).encode():
+            broker.delete(LOCK_KEY)
+
+    median = summarise(rounds)
+    from proj.celery import app
+
+    report = {
+        "config": {
+            "runs": args.runs,
+            "steps_per_run": STEPS,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "concurrency": args.concurrency,
+            "pool": "prefork",
+            "prefetch_multiplier": app.conf.worker_prefetch_multiplier,
+            "broker": args.broker,
+            "db": args.db,
+            "poll_s": POLL_S,
+        },
+        "machine": machine(),
+        "rounds": flat,
+        "median": median,
+        "ratio": median["ours"]["steps_per_s"] / median["plain"]["steps_per_s"],
+        "cpu_ratio": service_cpu(median["plain"]) / service_cpu(median["ours"]),
+        "noisy": any(median[side]["cpu_ms_per_step"]["other"] > NOISY_OTHER_MS for side in median),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
