@@ -62,6 +62,9 @@ class CeleryTaskEngine:
         self._stopping.clear()
         if "worker" in roles:
             ready = threading.Event()
+            # The remote-control (pidbox) consumer shares the worker thread's AMQP connection;
+            # stopping it from another thread deadlocks py-amqp. Embedded workers do without it.
+            app.conf.worker_enable_remote_control = False
             worker = app.WorkController(
                 pool_cls="threads",
                 concurrency=concurrency,
@@ -94,9 +97,22 @@ class CeleryTaskEngine:
             self._stopping.wait(get_settings().sweep_interval_s)
 
     def stop(self) -> None:
+        """Ask the worker to shut down from its own thread, as a signal handler would.
+
+        Stopping its consumers from this thread would race the worker thread for the broker
+        connection (py-amqp deadlocks on it), so we raise Celery's shutdown flag, which the
+        worker's event loop checks, and wait for the thread to finish.
+        """
+        from celery.worker import state
+
         self._stopping.set()
         if self._worker is not None:
-            self._worker.stop(in_sighandler=False)
+            state.should_stop = 0
+            worker_thread = self._threads[0]
+            worker_thread.join(timeout=15)
+            state.should_stop = None
+            if worker_thread.is_alive():
+                self._worker.stop(in_sighandler=False)
             self._worker = None
         for t in self._threads:
             t.join(timeout=10)
