@@ -90,6 +90,21 @@ def test_thirty_runs_of_one_key_never_exceed_the_limit_on_four_processes(procs) 
     assert scalar("SELECT count(*) FROM engine.step WHERE blocked_at IS NOT NULL") == 0
 
 
+def _admin_shows(run_id, text: str) -> bool:
+    """The run page of /admin (rendered in-process) carries the waiting reason."""
+    from pydantic import SecretStr
+    from starlette.testclient import TestClient
+
+    from proj.admin.app import create_app
+    from proj.settings import get_settings
+
+    settings = get_settings().model_copy(update={"admin_password": SecretStr("pw")})
+    with TestClient(create_app(settings)) as c:
+        c.auth = ("admin", "pw")
+        page = c.get(f"/admin/runs/{run_id}")
+    return page.status_code == 200 and 'id="pending-reason"' in page.text and text in page.text
+
+
 def test_run_over_the_limit_waits_pending_with_its_reason(inproc) -> None:
     """A run over its key's limit is `pending` with a reason in `get`; another key runs; it
     starts as soon as the holder commits (a hand-off, not a sweep later)."""
@@ -103,6 +118,7 @@ def test_run_over_the_limit_waits_pending_with_its_reason(inproc) -> None:
     assert view.status == "pending"
     assert view.pending_reason is not None
     assert f"concurrency key {key!r}" in view.pending_reason and "1/1 runs in a step" in view.pending_reason
+    assert _admin_shows(b.task_run_id, "1/1 runs in a step"), "/admin shows the reason too"
     wait_for(lambda: inproc.get(c.task_run_id).status == "succeeded", 10, what="another key to run")
     assert inproc.get(b.task_run_id).status == "pending", "still waiting for the holder"
     assert inproc.get(a.task_run_id).pending_reason is None

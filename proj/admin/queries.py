@@ -104,6 +104,7 @@ class RunDetail:
     parked: dict[str, Any] | None
     progress: list[dict[str, Any]] = field(default_factory=list)
     has_hook: bool = False
+    pending_reason: str | None = None
 
 
 def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
@@ -186,7 +187,19 @@ def run_detail(s: Session, run_id: uuid.UUID) -> RunDetail | None:
         parked=parked,
         progress=progress_of(s, run_id),
         has_hook=has_hook(info.kind),
+        pending_reason=_pending_reason(run),
     )
+
+
+def _pending_reason(run: Any) -> str | None:
+    """Why a live run is not moving (a concurrency limit, a future start, no worker for its
+    version): the engine's own projection, so the CLI, `get` and this page agree."""
+    if run.status not in ("pending", "running"):
+        return None
+    from proj.engine import runs
+
+    view = runs.get(run.id)
+    return view.pending_reason if view else None
 
 
 def progress_json(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
