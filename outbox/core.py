@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import func, select
+from sqlalchemy import cast, func, select
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -104,6 +105,27 @@ class DispatchReport:
         return asdict(self)
 
 
+def _unstorable(value: Any) -> str | None:
+    """Why Postgres could not store this (decoded JSON) value: text and jsonb refuse a NUL and
+    an unpaired surrogate. Checked before the INSERT, so the caller's transaction stays usable."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return "a NUL character"
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return "an unpaired surrogate"
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
+
+
 def _to_json(payload: Mapping[str, Any]) -> tuple[Any, int]:
     if not isinstance(payload, Mapping):
         raise BadEvent(f"outbox payload must be a mapping, not {type(payload).__name__}")
@@ -111,7 +133,10 @@ def _to_json(payload: Mapping[str, Any]) -> tuple[Any, int]:
         encoded = json.dumps(dict(payload), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise BadEvent(f"outbox payload must be JSON-serialisable: {exc}") from exc
-    return json.loads(encoded), len(encoded.encode())
+    value = json.loads(encoded)
+    if reason := _unstorable(value):
+        raise BadEvent(f"outbox payload contains {reason}")
+    return value, len(encoded.encode())
 
 
 def add(session: Session, kind: str, idempotency_key: str, payload: Mapping[str, Any]) -> int:
@@ -121,14 +146,15 @@ def add(session: Session, kind: str, idempotency_key: str, payload: Mapping[str,
     another payload raises `OutboxConflict`. After the caller's commit, the dispatcher is nudged
     at once (best effort, if `outbox.celery.install` or `set_nudger` configured one).
     """
-    if not isinstance(kind, str) or not kind.strip() or len(kind) > MAX_KIND_LEN:
-        raise BadEvent(f"outbox kind must be 1..{MAX_KIND_LEN} characters, got {kind!r}")
+    if not isinstance(kind, str) or not kind.strip() or len(kind) > MAX_KIND_LEN or _unstorable(kind):
+        raise BadEvent(f"outbox kind must be 1..{MAX_KIND_LEN} characters, no NUL, got {str(kind)[:100]!r}")
     if (
         not isinstance(idempotency_key, str)
         or not idempotency_key.strip()
         or len(idempotency_key) > MAX_KEY_LEN
+        or _unstorable(idempotency_key)
     ):
-        raise BadEvent(f"outbox idempotency key must be 1..{MAX_KEY_LEN} characters")
+        raise BadEvent(f"outbox idempotency key must be 1..{MAX_KEY_LEN} characters, no NUL")
     value, size = _to_json(payload)
     if size > MAX_PAYLOAD_BYTES:
         raise BadEvent(f"outbox payload is {size} bytes, limit {MAX_PAYLOAD_BYTES}")
@@ -139,12 +165,14 @@ def add(session: Session, kind: str, idempotency_key: str, payload: Mapping[str,
         .returning(OutboxEvent.id)
     )
     if event_id is None:
+        # Compared as jsonb, by Postgres: a float such as 9.540277552637683e16 is stored as the
+        # numeric 95402775526376830 and reads back as another Python number.
         existing = session.execute(
-            select(OutboxEvent.id, OutboxEvent.payload).where(
+            select(OutboxEvent.id, (OutboxEvent.payload == cast(value, JSONB)).label("same")).where(
                 OutboxEvent.kind == kind, OutboxEvent.idempotency_key == idempotency_key
             )
         ).one()
-        if existing.payload != value:
+        if not existing.same:
             raise OutboxConflict(kind, idempotency_key, existing.id)
         return int(existing.id)
     nudge.arm(session)

@@ -21,6 +21,26 @@ class UnknownTask(BadInput):
     """No download task with that id."""
 
 
+# The order a task's status moves in; `canceling`/`canceled` are outside it (never overwritten).
+STATUS_ORDER = ("requested", "approved", "downloading", "downloaded", "importing", "imported", "notified")
+
+
+def advance_status(session: Session, task_id: uuid.UUID, status: str, **values: Any) -> bool:
+    """Move the task's status forward, never back; True if it moved.
+
+    A step whose fenced write committed but whose own commit did not (killed worker, lost lease,
+    dropped connection) runs again; by then the run it handed off to may have moved the task on
+    (`notified`). Its retry must not undo that, nor overwrite a cancel (`canceling`).
+    """
+    earlier = STATUS_ORDER[: STATUS_ORDER.index(status)]
+    moved = session.execute(
+        update(DownloadTask)
+        .where(DownloadTask.id == task_id, DownloadTask.status.in_(earlier))
+        .values(status=status, **values)
+    )
+    return bool(moved.rowcount)
+
+
 def event(session: Session, task_id: uuid.UUID, what: str, **detail: Any) -> None:
     """Append to the business timeline (what /admin shows instead of raw step attempts)."""
     session.add(TaskEvent(download_task_id=task_id, what=what, detail=detail or None))
@@ -49,10 +69,17 @@ def request_download(
     before anything is written.
     """
     meta = torrents.parse(torrent)
-    if not requester or len(requester) > 200:
+    if not isinstance(requester, str) or not requester or len(requester) > 200:
         raise BadInput("requester must be 1..200 characters")
-    if webhook_url is not None and not webhook_url.startswith(("http://", "https://")):
+    if webhook_url is not None and (
+        not isinstance(webhook_url, str) or not webhook_url.startswith(("http://", "https://"))
+    ):
         raise BadInput("webhook_url must be an http(s) URL")
+    if title is not None and not isinstance(title, str):
+        raise BadInput("title must be text")
+    for what, value in (("requester", requester), ("title", title), ("webhook_url", webhook_url)):
+        if value is not None and not _storable(value):
+            raise BadInput(f"{what} must not contain NUL characters or unpaired surrogates")
     task_id = task_id or uuid.uuid4()
     session.add(
         DownloadTask(
@@ -70,6 +97,15 @@ def request_download(
     event(session, task_id, "requested", requester=requester, infohash=meta.infohash)
     outbox.add(session, "acquire", f"acquire:{task_id}", {"download_task_id": str(task_id)})
     return task_id
+
+
+def _storable(text: str) -> bool:
+    """Postgres text holds neither a NUL nor an unpaired surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text
 
 
 def approve(session: Session, task_id: uuid.UUID, approved_by: str) -> bool:

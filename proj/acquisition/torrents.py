@@ -77,6 +77,14 @@ def parse(data: bytes) -> TorrentMeta:
     files = tuple(TorrentFile(safe_relative(p), size) for p, size in raw)
     if any(f.size < 0 for f in files):
         raise BadTorrent("negative file size")
+    if not files:
+        raise BadTorrent("the torrent lists no files")
+    paths = {f.rel_path for f in files}
+    if len(paths) != len(files):
+        raise BadTorrent("two files of the torrent have the same path")
+    folders = {p.rsplit("/", i)[0] for p in paths for i in range(1, p.count("/") + 1)}
+    if clash := sorted(paths & folders):
+        raise BadTorrent(f"{clash[0]!r} is both a file and a folder in the torrent")
     return TorrentMeta(name, infohash, files, sum(f.size for f in files))
 
 

@@ -171,6 +171,24 @@ def create_app(
             raise HTTPException(404, f"no run {value}")
         return rid
 
+    def existing_run_or_404(value: str) -> uuid.UUID:
+        """For decisions: a well-formed id that names no run is a 404, not a silent no-op."""
+        from sqlalchemy import text
+
+        rid = run_id_or_404(value)
+        with db.transaction() as s:
+            if s.scalar(text("SELECT 1 FROM engine.task_run WHERE id = :id"), {"id": rid}) is None:
+                raise HTTPException(404, f"no run {value}")
+        return rid
+
+    def reason_or_400(reason: str | None) -> str:
+        from proj.engine.runs import unstorable
+
+        reason = (reason or "operator").strip()[:500] or "operator"
+        if unstorable(reason):
+            raise HTTPException(400, "the reason must not contain NUL characters")
+        return reason
+
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
         return RedirectResponse("/admin", status_code=307)
@@ -215,7 +233,7 @@ def create_app(
     def retry(request: Request, run_id: str) -> RedirectResponse:
         from proj.engine import runs
 
-        rid = run_id_or_404(run_id)
+        rid = existing_run_or_404(run_id)
         n = runs.retry_failed(rid)
         if n:
             flash(request, f"retrying {n} failed step(s) of {rid}")
@@ -227,8 +245,8 @@ def create_app(
     def abandon(request: Request, run_id: str, reason: str = Form("operator")) -> RedirectResponse:
         from proj.engine import runs
 
-        rid = run_id_or_404(run_id)
-        runs.abandon(rid, (reason or "operator").strip()[:500])
+        rid = existing_run_or_404(run_id)
+        runs.abandon(rid, reason_or_400(reason))
         flash(request, f"abandoned {rid}: compensation queued if the kind has one")
         return RedirectResponse(f"/admin/runs/{rid}", status_code=303)
 
@@ -238,7 +256,7 @@ def create_app(
 
         rid = run_id_or_404(run_id)
         try:
-            runs.cancel(rid, (reason or "operator").strip()[:500])
+            runs.cancel(rid, reason_or_400(reason))
         except KeyError as exc:
             raise HTTPException(404, f"no run {run_id}") from exc
         flash(request, f"cancel requested for {rid}")

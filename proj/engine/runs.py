@@ -35,8 +35,42 @@ from proj.engine.port import TaskRunRef, TaskRunView
 from proj.engine.protocol import TERMINAL, create_stage, finalize_cancel, to_json
 from proj.settings import get_settings
 
-TOPIC_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*$")
+TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
+MAX_TOPIC_LEN = 512
 MAX_KEY_LEN = 512
+
+
+def unstorable(value: Any) -> str | None:
+    """Why Postgres could not store this JSON-shaped value as text/jsonb (a NUL, a lone
+    surrogate), or None. Checked before writing, so the error is typed and nothing is written."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return "a NUL character"
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return "an unpaired surrogate"
+        elif isinstance(v, Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return None
+
+
+def to_json_text(value: Any, what: str) -> str:
+    """Strict JSON for a jsonb column: no NaN/Infinity, nothing Postgres refuses; typed errors."""
+    try:
+        jsonable = to_jsonable_python(value)
+        encoded = json.dumps(jsonable, allow_nan=False)
+    except (ValueError, TypeError) as exc:  # PydanticSerializationError is a ValueError
+        raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from exc
+    if reason := unstorable(jsonable):
+        raise InvalidInput(f"{what} contains {reason}")
+    return encoded
 
 
 def canonical_input(kind: Kind, input: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -51,9 +85,14 @@ def canonical_input(kind: Kind, input: Mapping[str, Any]) -> tuple[dict[str, Any
         model = kind.input_model.model_validate(dict(input))
     except ValidationError as exc:
         raise InvalidInput(f"invalid input for {kind.name}@{kind.version}: {exc}") from exc
-    stored = model.model_dump(mode="json")
-    given = to_jsonable_python(model.model_dump(mode="json", exclude_unset=True))
-    encoded = json.dumps(stored, sort_keys=True, separators=(",", ":"))
+    try:
+        stored = model.model_dump(mode="json")
+        given = to_jsonable_python(model.model_dump(mode="json", exclude_unset=True))
+        encoded = json.dumps(stored, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (ValueError, TypeError) as exc:  # unserialisable values in `Any` fields, NaN, ±inf
+        raise InvalidInput(f"input of {kind.name} is not JSON-serialisable: {exc}") from exc
+    if reason := unstorable(stored):
+        raise InvalidInput(f"input of {kind.name} contains {reason}")
     limit = get_settings().max_input_bytes
     if len(encoded.encode()) > limit:
         raise PayloadTooLarge(f"input of {kind.name} is {len(encoded)} bytes, limit {limit}")
@@ -62,13 +101,21 @@ def canonical_input(kind: Kind, input: Mapping[str, Any]) -> tuple[dict[str, Any
 
 
 def check_key(key: str) -> None:
-    if not isinstance(key, str) or not key.strip() or len(key) > MAX_KEY_LEN:
-        raise BadIdempotencyKey(f"idempotency key must be 1..{MAX_KEY_LEN} characters")
+    if not isinstance(key, str) or not key.strip() or len(key) > MAX_KEY_LEN or unstorable(key):
+        raise BadIdempotencyKey(f"idempotency key must be 1..{MAX_KEY_LEN} characters, no NUL")
+
+
+def check_reason(reason: str) -> None:
+    if not isinstance(reason, str) or unstorable(reason):
+        raise InvalidInput("a cancel/abandon reason must be text without NUL characters")
 
 
 def check_topic(topic: str) -> None:
-    if not isinstance(topic, str) or not TOPIC_RE.match(topic):
-        raise BadTopic(f"bad signal topic {topic!r}: expected 'name' or 'name:part', no spaces")
+    if not isinstance(topic, str) or len(topic) > MAX_TOPIC_LEN or not TOPIC_RE.fullmatch(topic):
+        raise BadTopic(
+            f"bad signal topic {str(topic)[:100]!r}: expected 'name' or 'name:part' (at most "
+            f"{MAX_TOPIC_LEN} characters), no spaces"
+        )
 
 
 def insert_run(
@@ -91,6 +138,8 @@ def insert_run(
     default the caller's current span is the parent.
     """
     check_key(idempotency_key)
+    if available_at is not None and not isinstance(available_at, datetime):
+        raise InvalidInput(f"available_at must be a datetime or None, not {type(available_at).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) < priority < 2**31:
         raise InvalidInput(f"priority must be a 32-bit integer, not {priority!r}")
     kind = get_kind(kind_name, version)
@@ -258,7 +307,7 @@ def _pending_reason(row: Any) -> str | None:
 def signal(topic: str, payload: Any = None) -> int:
     """Store the signal, then wake every run parked on the topic; returns how many woke."""
     check_topic(topic)
-    body = json.dumps(to_jsonable_python(payload))
+    body = to_json_text(payload, "signal payload")
     if len(body) > get_settings().max_input_bytes:
         raise PayloadTooLarge("signal payload too large")
     with db.transaction() as s:
@@ -303,6 +352,7 @@ def cancel(run_id: uuid.UUID, reason: str) -> None:
     A running step is not killed; it sees `cancel_requested()` and stops itself, and the run is
     finalised when it does (or when its lease expires).
     """
+    check_reason(reason)
     with db.transaction() as s:
         run = s.execute(
             text("SELECT id, kind, version, input, status FROM engine.task_run WHERE id = :id FOR UPDATE"),
@@ -356,6 +406,7 @@ def retry_failed(run_id: uuid.UUID) -> int:
 
 def abandon(run_id: uuid.UUID, reason: str) -> None:
     """Operator decision on a dead letter: give up, with the kind's compensation."""
+    check_reason(reason)
     with db.transaction() as s:
         s.execute(
             text(

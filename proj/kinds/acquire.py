@@ -51,8 +51,8 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
     result = effect(ctx, f"qbt-add:{task.id}", plan, do, reconcile, effect_kind="qbittorrent")
     introduce_peers(infohash)
     with ctx.fenced() as s:
-        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="downloading"))
-        service.event(s, task.id, "torrent added", infohash=infohash)
+        if service.advance_status(s, task.id, "downloading"):  # not again on a retry
+            service.event(s, task.id, "torrent added", infohash=infohash)
     return result
 
 
@@ -84,10 +84,10 @@ def queue_import(ctx: StepContext) -> dict[str, str]:
     """Status and the `import` event commit together, fenced by this step's lease."""
     task = load_task(ctx)
     with ctx.fenced() as s:
-        s.execute(
-            update(DownloadTask).where(DownloadTask.id == task.id).values(status="downloaded", progress=1.0)
-        )
-        service.event(s, task.id, "downloaded")
+        # A retry after this block committed must not move a task the import already took
+        # further (`imported`, `notified`) back to `downloaded`.
+        if service.advance_status(s, task.id, "downloaded", progress=1.0):
+            service.event(s, task.id, "downloaded")
         outbox.add(s, "import", f"import:{task.id}", {"download_task_id": str(task.id)})
     return {"queued": f"import:{task.id}"}
 

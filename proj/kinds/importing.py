@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 import outbox
@@ -40,9 +40,9 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     meta = torrents.parse(task.torrent)
     torrents.verify_pieces(task.torrent, download_dir())
     with ctx.fenced() as s:
-        if ctx.input.generation == 0:  # a re-import repairs files; the task's story is done
-            s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="importing"))
-        service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
+        # A re-import repairs files (the task's story is done); a retry does not go back.
+        if ctx.input.generation or service.advance_status(s, task.id, "importing"):
+            service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
     return {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
 
 
@@ -128,14 +128,24 @@ def record(ctx: StepContext) -> dict[str, Any]:
             # (`OutboxConflict`, the record step could never commit).
             service.event(s, task.id, "re-imported", files=len(copies), generation=ctx.input.generation)
             return {"files": len(copies), "generation": ctx.input.generation}
-        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="imported"))
-        service.event(s, task.id, "imported", files=len(copies))
+        # A retry after this block committed must not move a notified task back to `imported`.
+        if service.advance_status(s, task.id, "imported"):
+            service.event(s, task.id, "imported", files=len(copies))
         outbox.add(s, "notify", f"notify:{task.id}", {"download_task_id": str(task.id)})
+        # An earlier attempt may have committed this block and lost its lease (killed, frozen,
+        # disconnected) before the step's own commit: keep the seeding goal it queued, a new
+        # `seed_until` under the same key is an `OutboxConflict` on every retry.
+        seed_key = f"retire_seed:{task.id}"
+        queued = s.scalar(
+            select(outbox.OutboxEvent.payload).where(
+                outbox.OutboxEvent.kind == "retire_seed", outbox.OutboxEvent.idempotency_key == seed_key
+            )
+        )
         outbox.add(
             s,
             "retire_seed",
-            f"retire_seed:{task.id}",
-            {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()},
+            seed_key,
+            queued or {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()},
         )
     return {"files": len(copies)}
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from sqlalchemy import update
 
 from proj.acquisition import service
-from proj.acquisition.models import DownloadTask
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, step
@@ -34,8 +32,8 @@ def post_webhook(ctx: StepContext) -> dict[str, Any]:
 
     result = effect(ctx, key, {"url": task.webhook_url}, do, reconcile, effect_kind="http")
     with ctx.fenced() as s:
-        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="notified"))
-        service.event(s, task.id, "requester notified", status=result.get("status"))
+        if service.advance_status(s, task.id, "notified"):  # not again on a retry
+            service.event(s, task.id, "requester notified", status=result.get("status"))
     return result
 
 
