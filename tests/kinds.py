@@ -284,3 +284,32 @@ UPGR_V2 = register(
         canvas=(step("a", versioned), step("b", versioned), step("c", versioned)),
     )
 )
+
+
+class FinishInput(BaseModel):
+    hold_in_finish_s: float = 0.0
+
+
+def finishing(ctx: StepContext) -> dict[str, int]:
+    """Business write and step result in one transaction (`ctx.finish`)."""
+    record(ctx)
+    result = {"pid": os.getpid()}
+    with ctx.finish(result) as s:
+        s.execute(
+            text("INSERT INTO testkit.effect (run_id, step, pid) VALUES (:r, :s, :p)"),
+            {"r": ctx.run_id, "s": ctx.step, "p": os.getpid()},
+        )
+        if ctx.attempt == 1 and ctx.input.hold_in_finish_s:
+            time.sleep(ctx.input.hold_in_finish_s)  # the test kills the worker here
+    return result
+
+
+FINISHER = register(
+    Kind(
+        name="finisher",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=FinishInput,
+        canvas=(step("write", finishing), step("after", lambda ctx: record(ctx) and "after")),
+    )
+)

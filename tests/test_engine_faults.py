@@ -200,3 +200,21 @@ def test_postgres_connections_killed_and_redis_restarted_mid_run(procs) -> None:
         )
         assert unfinished >= 1 or attempts > 1, f"{step} of {run_id} re-ran after completing"
     assert {r.task_run_id for r in refs} == {row[0] for row in sql("SELECT id FROM engine.task_run")}
+
+
+def test_finish_commits_business_writes_and_the_result_together(procs) -> None:
+    """`ctx.finish(result)`: killed inside the block, neither the business row nor the result
+    commit; the retry writes the row once (a unique key would refuse a second) and its result."""
+    procs.worker("victim", concurrency=1)
+    ref = runs.enqueue("finisher", {"hold_in_finish_s": 30}, idempotency_key=new_key())
+    wait_for(lambda: _executions(ref.task_run_id, "write"), 30, what="the write step to start")
+    time.sleep(0.5)  # inside the finish block, the insert done but not committed
+    assert scalar("SELECT count(*) FROM testkit.effect") == 0
+    procs.kill("victim")
+    procs.worker("rescuer", concurrency=1)
+    procs.beat()
+    wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 60, what="run to finish")
+    rows = sql("SELECT pid FROM testkit.effect WHERE run_id = %s", (ref.task_run_id,))
+    result = scalar("SELECT result FROM engine.step WHERE run_id = %s AND name = 'write'", (ref.task_run_id,))
+    assert rows == [(result["pid"],)]
+    assert len(_executions(ref.task_run_id, "write")) == 2

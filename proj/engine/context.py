@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +89,8 @@ class StepContext(PlanContext):
     item: Any = None
     item_index: int = 0
     lease: Lease | None = None
+    commit_hook: Callable[[Session, Any], list[Any]] | None = None
+    finished: list[Any] | None = None
     _cancel_checked_at: float = field(default=0.0)
     _cancel_cached: bool = False
 
@@ -141,6 +143,22 @@ class StepContext(PlanContext):
         with db.transaction() as s:
             self.fence(s)
             yield s
+
+    @contextmanager
+    def finish(self, result: Any) -> Iterator[Session]:
+        """The step's last business writes and its result, committed in ONE fenced transaction.
+
+        With `fenced()` a worker could die after the business commit and before the step's
+        own, and the whole body would run again; with `finish(result)` either both commit or
+        neither does. Use it as the body's last act and return the same `result`.
+        """
+        if self.commit_hook is None:
+            raise RuntimeError("finish() is only available inside a running step")
+        with db.transaction() as s:
+            self.fence(s)
+            yield s
+            s.flush()
+            self.finished = self.commit_hook(s, result)
 
     def report_progress(self, done: float, total: float, message: str | None = None) -> None:
         """Live progress for operators (copy %, download %); best effort, never fenced."""

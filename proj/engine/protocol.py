@@ -433,8 +433,9 @@ def _attempt(c: Claim, kind: Kind) -> tuple[str, list[Dispatch], BaseException |
                 outcome, to_publish = _run_wait(c, ctx, kind, sdef.wait)
             else:
                 assert sdef.fn is not None
+                ctx.commit_hook = lambda session, result: commit_success(c, kind, result, session)
                 result = sdef.fn(ctx)
-                to_publish = commit_success(c, kind, result)
+                to_publish = ctx.finished if ctx.finished is not None else commit_success(c, kind, result)
                 outcome = "succeeded"
         except LeaseLost as exc:
             log.warning("step %s attempt %s: %s", c.step_id, c.attempt, exc)
@@ -460,14 +461,24 @@ def _commit_or_refuse(fn: Any, *args: Any) -> tuple[str, list[Dispatch]]:
 # commits (all fenced by the lease token)
 
 
-def commit_success(c: Claim, kind: Kind, result: Any) -> list[Dispatch]:
-    """Store the result and advance the run, or refuse if the lease is gone."""
+def commit_success(c: Claim, kind: Kind, result: Any, session: Session | None = None) -> list[Dispatch]:
+    """Store the result and advance the run, or refuse if the lease is gone.
+
+    With `session` (from `StepContext.finish`), it joins the body's business transaction so
+    the writes and the result commit together.
+    """
     payload = to_json(result)
+    if session is not None:
+        return _succeed(session, c, payload)
     with db.transaction() as s:
-        run = s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first()
-        if run is None:
-            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
-        return advance(s, c.run_id, run=run, stage=c.stage)
+        return _succeed(s, c, payload)
+
+
+def _succeed(s: Session, c: Claim, payload: str) -> list[Dispatch]:
+    run = s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first()
+    if run is None:
+        raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
+    return advance(s, c.run_id, run=run, stage=c.stage)
 
 
 def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[str, list[Dispatch]]:

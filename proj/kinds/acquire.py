@@ -50,7 +50,7 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
 
     result = effect(ctx, f"qbt-add:{task.id}", plan, do, reconcile, effect_kind="qbittorrent")
     introduce_peers(infohash)
-    with ctx.fenced() as s:
+    with ctx.finish(result) as s:
         if service.advance_status(s, task.id, "downloading"):  # not again on a retry
             service.event(s, task.id, "torrent added", infohash=infohash)
     return result
@@ -81,15 +81,16 @@ def downloaded(ctx: StepContext) -> dict[str, Any] | None:
 
 
 def queue_import(ctx: StepContext) -> dict[str, str]:
-    """Status and the `import` event commit together, fenced by this step's lease."""
+    """Status, the `import` event and this step's result commit together, fenced by the lease."""
     task = load_task(ctx)
-    with ctx.fenced() as s:
+    result = {"queued": f"import:{task.id}"}
+    with ctx.finish(result) as s:
         # A retry after this block committed must not move a task the import already took
         # further (`imported`, `notified`) back to `downloaded`.
         if service.advance_status(s, task.id, "downloaded", progress=1.0):
             service.event(s, task.id, "downloaded")
         outbox.add(s, "import", f"import:{task.id}", {"download_task_id": str(task.id)})
-    return {"queued": f"import:{task.id}"}
+    return result
 
 
 ACQUIRE = register(

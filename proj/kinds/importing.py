@@ -39,11 +39,12 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     task = load_task(ctx)
     meta = torrents.parse(task.torrent)
     torrents.verify_pieces(task.torrent, download_dir())
-    with ctx.fenced() as s:
+    result = {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
+    with ctx.finish(result) as s:
         # A re-import repairs files (the task's story is done); a retry does not go back.
         if ctx.input.generation or service.advance_status(s, task.id, "importing"):
             service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
-    return {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
+    return result
 
 
 def _paths(task: DownloadTask, rel_path: str) -> tuple[Path, Path, str]:
@@ -105,7 +106,9 @@ def record(ctx: StepContext) -> dict[str, Any]:
     copies = ctx.result("copy")
     root = str(library_root())
     seed_until = datetime.now(UTC) + timedelta(seconds=get_settings().seed_time_s)
-    with ctx.fenced() as s:
+    generation = ctx.input.generation
+    result: dict[str, Any] = {"files": len(copies), **({"generation": generation} if generation else {})}
+    with ctx.finish(result) as s:
         for c in copies:
             s.execute(
                 pg_insert(LibraryItem)
@@ -126,8 +129,8 @@ def record(ctx: StepContext) -> dict[str, Any]:
             # requester was told and the seeding goal was queued by the first import. Queuing
             # `retire_seed` again would carry a new `seed_until` under the same key
             # (`OutboxConflict`, the record step could never commit).
-            service.event(s, task.id, "re-imported", files=len(copies), generation=ctx.input.generation)
-            return {"files": len(copies), "generation": ctx.input.generation}
+            service.event(s, task.id, "re-imported", files=len(copies), generation=generation)
+            return result
         # A retry after this block committed must not move a notified task back to `imported`.
         if service.advance_status(s, task.id, "imported"):
             service.event(s, task.id, "imported", files=len(copies))
@@ -147,7 +150,7 @@ def record(ctx: StepContext) -> dict[str, Any]:
             seed_key,
             queued or {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()},
         )
-    return {"files": len(copies)}
+    return result
 
 
 IMPORT = register(

@@ -31,7 +31,7 @@ def post_webhook(ctx: StepContext) -> dict[str, Any]:
         return NotDone("re-send with the same Idempotency-Key")
 
     result = effect(ctx, key, {"url": task.webhook_url}, do, reconcile, effect_kind="http")
-    with ctx.fenced() as s:
+    with ctx.finish(result) as s:
         if service.advance_status(s, task.id, "notified"):  # not again on a retry
             service.event(s, task.id, "requester notified", status=result.get("status"))
     return result
