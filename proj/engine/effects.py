@@ -26,6 +26,7 @@ from proj.settings import get_settings
 
 R = TypeVar("R")
 
+
 def step_fence(ctx: StepContext) -> Callable[[Session], None]:
     """A ledger fence for this step attempt: raises `LeaseLost` once the lease is gone."""
     return ctx.fence
