@@ -328,6 +328,7 @@ class Bench:
         }[side]
         reset()
         redis_run = self._redis_run_id()
+        log_at = self.worker.log.stat().st_size
         cpu0 = self.cpu.snapshot()
         t0 = time.perf_counter()
         submit(n)
@@ -343,6 +344,10 @@ class Bench:
                 raise RedisRestarted("Redis restarted during the round: its queued messages are lost")
             if time.perf_counter() > deadline:
                 self.worker.check()
+                with self.worker.log.open("rb") as f:
+                    f.seek(log_at)
+                    if b"Connection to broker lost" in f.read():
+                        raise RedisRestarted("the worker lost the broker during the round")
                 raise SystemExit(f"{side}: only {got}/{n} done after {self.args.timeout}s")
             time.sleep(POLL_S)
         elapsed = time.perf_counter() - t0
