@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -462,30 +462,16 @@ def run_demo(*, engine_only: bool = False, parts: int = 4) -> int:
     return run_acquisition_demo()
 
 
-def run_engine_demo(parts: int = 4) -> int:
-    """Run one `demo` run on an in-process worker; 0 if it succeeded within TIMEOUT_S, else 1."""
+def guarded(body: Callable[[Servers, list[Any], float], tuple[int, Text]]) -> int:
+    """Run a demo body: Ctrl-C/SIGTERM and errors become an exit code, teardown always runs
+    (the body appends the engine it starts to `engines`), and one final line is printed."""
     servers = Servers()
-    engine = None
+    engines: list[Any] = []
     began = time.monotonic()
     code, final = 1, Text("demo did not run", style="red")
     with sigterm_as_interrupt(), worker_log():
         try:
-            configure(servers)
-            from proj.cli import migrate_to_head
-            from proj.engine.celery_engine import CeleryTaskEngine
-
-            check_broker()
-            head = migrate_to_head()
-            engine = CeleryTaskEngine()
-            engine.start(roles=("worker", "beat"), concurrency=2)
-            console.print(f"schema {head}; worker and sweeper up after {time.monotonic() - began:.1f}s")
-            ref = engine.enqueue(
-                "demo",
-                {"title": TITLE, "parts": parts},
-                idempotency_key=f"proj-demo-{uuid.uuid4().hex}",
-            )
-            run = watch(ref.task_run_id, time.monotonic() + TIMEOUT_S)
-            code, final = outcome(ref.task_run_id, run, parts)
+            code, final = body(servers, engines, began)
         except KeyboardInterrupt:
             code, final = 130, Text("demo interrupted", style="yellow")
         except Exception as exc:
@@ -493,12 +479,37 @@ def run_engine_demo(parts: int = 4) -> int:
         finally:
             stopping = time.monotonic()
             with shielded():
-                shutdown(engine, servers)
+                shutdown(engines[0] if engines else None, servers)
             console.print(
                 f"stopped in {time.monotonic() - stopping:.1f}s; {time.monotonic() - began:.1f}s in all"
             )
     console.print(final, soft_wrap=True)
     return code
+
+
+def run_engine_demo(parts: int = 4) -> int:
+    """Run one `demo` run on an in-process worker; 0 if it succeeded within TIMEOUT_S, else 1."""
+
+    def body(servers: Servers, engines: list[Any], began: float) -> tuple[int, Text]:
+        configure(servers)
+        from proj.cli import migrate_to_head
+        from proj.engine.celery_engine import CeleryTaskEngine
+
+        check_broker()
+        head = migrate_to_head()
+        engine = CeleryTaskEngine()
+        engines.append(engine)
+        engine.start(roles=("worker", "beat"), concurrency=2)
+        console.print(f"schema {head}; worker and sweeper up after {time.monotonic() - began:.1f}s")
+        ref = engine.enqueue(
+            "demo",
+            {"title": TITLE, "parts": parts},
+            idempotency_key=f"proj-demo-{uuid.uuid4().hex}",
+        )
+        run = watch(ref.task_run_id, time.monotonic() + TIMEOUT_S)
+        return outcome(ref.task_run_id, run, parts)
+
+    return guarded(body)
 
 
 def outcome(run_id: uuid.UUID, run: Any, parts: int) -> tuple[int, Text]:
@@ -952,56 +963,41 @@ def run_acquisition_demo() -> int:
             soft_wrap=True,
         )
         return 1
-    servers = Servers()
-    engine = None
-    began = time.monotonic()
-    code, final = 1, Text("demo did not run", style="red")
-    with sigterm_as_interrupt(), worker_log():
-        try:
-            configure(servers)
-            from proj import db
-            from proj.acquisition import service
-            from proj.cli import migrate_to_head
-            from proj.engine.celery_engine import CeleryTaskEngine
 
-            check_broker()
-            head = migrate_to_head()
-            t = time.monotonic()
-            swarm = start_swarm(servers)
-            console.print(
-                f"swarm:    seeder ({len(PAYLOAD_FILES)} files, {swarm.size} bytes, "
-                f"≤{SEED_RATE >> 20} MiB/s) "
-                f"and managed qBittorrent {swarm.managed.webui_url}, on-finish hook `proj signal "
-                f"download:%I` (up in {time.monotonic() - t:.1f} s)",
-                soft_wrap=True,
-            )
-            console.print(Text(f"work dir: {servers.work}"), soft_wrap=True)
-            servers.webhook = Webhook()
-            point_workers_at(servers, swarm)
-            engine = CeleryTaskEngine()
-            engine.start(roles=("worker", "beat", "outbox"), concurrency=4)
-            console.print(
-                f"schema {head}; worker and beat up after {time.monotonic() - began:.1f}s", soft_wrap=True
-            )
-            task_id = request(servers.webhook, swarm)
-            console.print(f"request {task_id} from demo: waiting for approval")
-            eng = engine
-            snap = follow(
-                task_id,
-                lambda: service.approve_and_signal(eng, db.sessions(), task_id, "demo operator"),
-                time.monotonic() + ACQ_TIMEOUT_S,
-            )
-            code, final = acquisition_outcome(task_id, snap, swarm, servers.webhook)
-        except KeyboardInterrupt:
-            code, final = 130, Text("demo interrupted", style="yellow")
-        except Exception as exc:
-            code, final = 1, Text(f"demo failed: {type(exc).__name__}: {exc}", style="red")
-        finally:
-            stopping = time.monotonic()
-            with shielded():
-                shutdown(engine, servers)
-            console.print(
-                f"stopped in {time.monotonic() - stopping:.1f}s; {time.monotonic() - began:.1f}s in all"
-            )
-    console.print(final, soft_wrap=True)
-    return code
+    def body(servers: Servers, engines: list[Any], began: float) -> tuple[int, Text]:
+        configure(servers)
+        from proj import db
+        from proj.acquisition import service
+        from proj.cli import migrate_to_head
+        from proj.engine.celery_engine import CeleryTaskEngine
+
+        check_broker()
+        head = migrate_to_head()
+        t = time.monotonic()
+        swarm = start_swarm(servers)
+        console.print(
+            f"swarm:    seeder ({len(PAYLOAD_FILES)} files, {swarm.size} bytes, "
+            f"≤{SEED_RATE >> 20} MiB/s) "
+            f"and managed qBittorrent {swarm.managed.webui_url}, on-finish hook `proj signal "
+            f"download:%I` (up in {time.monotonic() - t:.1f} s)",
+            soft_wrap=True,
+        )
+        console.print(Text(f"work dir: {servers.work}"), soft_wrap=True)
+        servers.webhook = Webhook()
+        point_workers_at(servers, swarm)
+        engine = CeleryTaskEngine()
+        engines.append(engine)
+        engine.start(roles=("worker", "beat", "outbox"), concurrency=4)
+        console.print(
+            f"schema {head}; worker and beat up after {time.monotonic() - began:.1f}s", soft_wrap=True
+        )
+        task_id = request(servers.webhook, swarm)
+        console.print(f"request {task_id} from demo: waiting for approval")
+        snap = follow(
+            task_id,
+            lambda: service.approve_and_signal(engine, db.sessions(), task_id, "demo operator"),
+            time.monotonic() + ACQ_TIMEOUT_S,
+        )
+        return acquisition_outcome(task_id, snap, swarm, servers.webhook)
+
+    return guarded(body)
