@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -140,24 +140,29 @@ def approve_and_signal(engine: TaskEngine, session_factory: Any, task_id: uuid.U
     engine.signal(approval_topic(task_id))
 
 
-def mark_cancel_requested(session: Session, run_id: uuid.UUID, inp: Any) -> None:
-    """Kind hook for `TaskEngine.cancel`: the business row learns first."""
-    task_id = uuid.UUID(str(inp.download_task_id))
-    session.execute(
+def request_cancel(session: Session, task_id: uuid.UUID, by: str) -> bool:
+    """Flag the business row (once); True if this call flagged it. The timeline gets one event."""
+    flagged = session.execute(
         update(DownloadTask)
         .where(DownloadTask.id == task_id, DownloadTask.cancel_requested_at.is_(None))
-        .values(cancel_requested_at=_now(session), status="canceling")
-    )
-    event(session, task_id, "cancel requested", run_id=str(run_id))
+        .values(cancel_requested_at=func.now(), status="canceling")
+        .returning(DownloadTask.id)
+    ).first()
+    if flagged is not None:
+        event(session, task_id, "cancel requested", by=by)
+    return flagged is not None
+
+
+def mark_cancel_requested(session: Session, run_id: uuid.UUID, inp: Any) -> None:
+    """Kind hook for `TaskEngine.cancel`: the business row learns first."""
+    request_cancel(session, uuid.UUID(str(inp.download_task_id)), by=f"run {run_id}")
 
 
 def cancel_download(engine: TaskEngine, session_factory: Any, task_id: uuid.UUID, reason: str) -> int:
     """Cancel a request: flag the business row, then stop its acquire/import runs."""
-    from sqlalchemy import text
-
     with session_factory.begin() as s:
         load(s, task_id, lock=True)
-        mark_cancel_requested(s, uuid.UUID(int=0), _Ref(task_id))
+        request_cancel(s, task_id, by=reason)
         run_ids = s.scalars(
             text(
                 "SELECT id FROM engine.task_run WHERE idempotency_key = ANY(:keys) "
@@ -168,14 +173,3 @@ def cancel_download(engine: TaskEngine, session_factory: Any, task_id: uuid.UUID
     for run_id in run_ids:
         engine.cancel(run_id, reason)
     return len(run_ids)
-
-
-class _Ref:
-    def __init__(self, task_id: uuid.UUID) -> None:
-        self.download_task_id = task_id
-
-
-def _now(session: Session) -> Any:
-    from sqlalchemy import func
-
-    return session.scalar(select(func.now()))

@@ -63,7 +63,7 @@ _CLAIM = text(
            AND s.status = 'pending' AND s.next_attempt_at <= now()
            AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
-               r.kind, r.version, r.input, r.created_at, r.priority, r.concurrency_key, r.trace,
+               r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
                now() AS claimed_at
     ), started AS (
         UPDATE engine.task_run t
@@ -118,7 +118,6 @@ class Claim:
     kind: str
     version: int
     input: dict[str, Any]
-    run_created_at: datetime
     claimed_at: datetime
     token: uuid.UUID
     priority: int = 0
@@ -144,13 +143,6 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------
 # claim
-
-
-def claim(step_id: int) -> Claim | None:
-    """Take the step's lease if it is pending, due, its run still wants it and a slot is free."""
-    c, kicks = _claim(step_id)
-    dispatch.publish_after_commit(kicks)
-    return c
 
 
 def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
@@ -191,7 +183,6 @@ def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
         kind=row.kind,
         version=row.version,
         input=row.input,
-        run_created_at=row.created_at,
         claimed_at=row.claimed_at,
         token=token,
         priority=row.priority,

@@ -32,7 +32,7 @@ from proj.engine.errors import (
 )
 from proj.engine.kind import Kind, get_kind
 from proj.engine.port import TaskRunRef, TaskRunView
-from proj.engine.protocol import TERMINAL, create_stage, finalize_cancel, to_json
+from proj.engine.protocol import TERMINAL, create_stage, finalize_cancel
 from proj.settings import get_settings
 
 TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
@@ -427,5 +427,4 @@ __all__ = [
     "insert_run",
     "retry_failed",
     "signal",
-    "to_json",
 ]

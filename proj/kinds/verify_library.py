@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 import outbox
 from proj import db
@@ -24,13 +24,14 @@ def item_path(item: LibraryItem) -> Path:
 def verify(ctx: StepContext) -> dict[str, Any]:
     with db.transaction() as s:
         items = list(s.scalars(select(LibraryItem).where(LibraryItem.status == "ok")))
-    bad: list[int] = []
+    bad: set[int] = set()
     for item in items:
         ctx.checkpoint()
         path = item_path(item)
         if not path.exists() or library.sha256_file(path) != item.sha256:
-            bad.append(item.id)
-    with ctx.fenced() as s:
+            bad.add(item.id)
+    result = {"checked": len(items), "corrupt": len(bad)}
+    with ctx.finish(result) as s:
         for item in items:
             if item.id in bad:
                 s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(status="corrupt"))
@@ -45,15 +46,9 @@ def verify(ctx: StepContext) -> dict[str, Any]:
         s.execute(
             update(LibraryItem)
             .where(LibraryItem.id.in_([i.id for i in items if i.id not in bad]))
-            .values(verified_at=db_now())
+            .values(verified_at=func.now())
         )
-    return {"checked": len(items), "corrupt": len(bad)}
-
-
-def db_now() -> Any:
-    from sqlalchemy import func
-
-    return func.now()
+    return result
 
 
 VERIFY_LIBRARY = register(
