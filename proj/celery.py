@@ -91,8 +91,10 @@ def register_step_tasks() -> None:
             if name in app.tasks:
                 continue
 
-            def run_step(step_id: int) -> str:
-                return protocol.execute(int(step_id))
+            starts = step_name == kind.start_step
+
+            def run_step(step_id: int, _starts: bool = starts) -> str:
+                return protocol.execute(int(step_id), starts_run=_starts)
 
             app.task(name=name, ignore_result=True)(run_step)
     app.conf.task_queues = queues

@@ -108,3 +108,14 @@ SHARDED = register(
         global_limit=3,
     )
 )
+
+# No limit: its runs start in priority order anyway (the claim of its start step).
+RANKED = register(
+    Kind(
+        name="ranked",
+        version=1,
+        retry=FAST_RETRY,
+        input_model=HoldInput,
+        canvas=(step("first", hold), step("second", lambda ctx: {"done": True})),
+    )
+)

@@ -199,6 +199,60 @@ def test_priority_orders_the_start_of_waiting_runs(inproc) -> None:
     assert max_overlap([(r[2], r[3]) for r in rows]) == 1
 
 
+def _start_order(kind: str) -> list[Any]:
+    return sql(
+        "SELECT e.run_id, r.priority FROM testkit.execution e JOIN engine.task_run r ON r.id = e.run_id "
+        "WHERE r.kind = %s AND e.step = 'first' ORDER BY e.started_at",
+        (kind,),
+    )
+
+
+def test_priority_orders_the_start_of_queued_runs_without_limits(engine) -> None:
+    """Runs of a kind without limits, all queued in the broker before any worker runs, start by
+    priority (highest first, FIFO within one priority), not in the broker's order. No sweeper
+    runs, so every run also finishing shows that no start message was lost by the reordering."""
+    priorities = [1, 5, 3, 9, 0, 7, 5, -2, 3, 8]
+    refs = [
+        engine.enqueue("ranked", {"hold_s": 0.02}, idempotency_key=new_key(), priority=p) for p in priorities
+    ]
+    engine.start(roles=("worker",), concurrency=1)
+    wait_for(lambda: _succeeded("ranked") == len(refs), 30, what="all runs to finish without the sweeper")
+
+    rows = _start_order("ranked")
+    started = [r[1] for r in rows]
+    assert started == sorted(priorities, reverse=True), f"start order by priority: {started}"
+    by_prio = {p: [r[0] for r in rows if r[1] == p] for p in (5, 3)}
+    assert by_prio[5] == [refs[1].task_run_id, refs[6].task_run_id], "FIFO within one priority"
+    assert by_prio[3] == [refs[2].task_run_id, refs[8].task_run_id], "FIFO within one priority"
+    assert scalar("SELECT count(*) FROM testkit.execution") == len(refs), "each first step ran once"
+
+
+def test_duplicate_start_messages_start_each_run_once(engine) -> None:
+    """Every start message delivered twice (and out of order): each run's first step still runs
+    exactly once, the best-ordered first, and all finish without the sweeper."""
+    priorities = [0, 4, 0, 2, 6, 0]
+    refs = [
+        engine.enqueue("ranked", {"hold_s": 0.02}, idempotency_key=new_key(), priority=p) for p in priorities
+    ]
+    starts = sql(
+        "SELECT s.id, r.priority FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id "
+        "WHERE r.kind = 'ranked' AND s.stage = 0 ORDER BY r.created_at DESC"
+    )
+    dispatch.publish([dispatch.step_dispatch(sid, "ranked", 1, "first", p) for sid, p in starts])
+    engine.start(roles=("worker",), concurrency=2)
+    wait_for(lambda: _succeeded("ranked") == len(refs), 30, what="all runs to finish without the sweeper")
+
+    per_run = sql(
+        "SELECT e.run_id, count(*) FROM testkit.execution e JOIN engine.task_run r ON r.id = e.run_id "
+        "WHERE r.kind = 'ranked' GROUP BY e.run_id"
+    )
+    assert sorted(n for _, n in per_run) == [1] * len(refs), per_run
+    assert scalar(
+        "SELECT count(*) FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id WHERE s.stage = 0"
+    ) == len(refs)
+    assert {r[1] for r in _start_order("ranked")[:2]} == {6, 4}, "two children: the two best start first"
+
+
 def test_sweeper_sends_the_highest_priority_first(monkeypatch) -> None:
     """Re-sends (lost messages, refused steps) go out highest priority first."""
     sent: list[list[dispatch.Dispatch]] = []

@@ -198,6 +198,23 @@ class Kind:
     def policy_for(self, step_def: StepDef) -> RetryPolicy:
         return step_def.retry or self.retry
 
+    @property
+    def has_limits(self) -> bool:
+        return self.global_limit is not None or self.concurrency_limit is not None
+
+    @property
+    def start_step(self) -> str | None:
+        """The step whose messages start runs in priority order, if the kind has one.
+
+        That is a first stage of exactly one plain step, on a kind without limits: its
+        messages are interchangeable between the kind's pending runs (same task, same queue).
+        Limited kinds order their starts in the admission line instead (`protocol._admit`).
+        """
+        first = self.canvas[0]
+        if self.has_limits or first.over is not None or len(first.steps) != 1:
+            return None
+        return first.steps[0].name
+
 
 _REGISTRY: dict[tuple[str, int], Kind] = {}
 

@@ -49,6 +49,15 @@ class TaskRun(Base):
             ),
         ),
         Index(
+            "task_run_start_idx",
+            "kind",
+            "version",
+            text("priority DESC"),
+            "created_at",
+            "id",
+            postgresql_where=text("status = 'pending'"),
+        ),
+        Index(
             "task_run_concurrency_idx",
             "concurrency_key",
             postgresql_where=text(

@@ -7,6 +7,8 @@ Every delivery of a step message goes through `execute()`:
    A kind with limits (`global_limit`, `concurrency_limit` per `concurrency_key`) is admitted
    in the same transaction, under an advisory lock per kind and per key, only if a slot is free
    and no better-ordered run waits for it; otherwise the step stays `pending` with a reason.
+   A kind without limits starts its runs in priority order: a delivery of its start step
+   claims the pending run of higher priority, if any, instead of its own (`_CLAIM_START`).
 2. **heartbeat**: the process heartbeat renews the lease while the body runs.
 3. **body**: the kind's function (or a wait check) runs with a `StepContext`.
 4. **fenced commit**: `UPDATE … WHERE id=? AND lease_token=?`. Zero rows means another attempt
@@ -50,16 +52,15 @@ TERMINAL = ("succeeded", "failed", "canceled")
 
 # The claim is one statement: it takes the lease, marks the run started and opens the attempt
 # record (same lock order as before: the step row, then the run row).
-_CLAIM = text(
-    """
-    WITH claimed AS (
+_CLAIM_BODY = """
+    claimed AS (
         UPDATE engine.step s
            SET status = 'running', lease_token = :tok, lease_owner = :owner,
                lease_until = now() + make_interval(secs => :ttl),
                attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
                blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
           FROM engine.task_run r
-         WHERE s.id = :id AND r.id = s.run_id
+         WHERE s.id = {target} AND r.id = s.run_id
            AND s.status = 'pending' AND s.next_attempt_at <= now()
            AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
@@ -76,7 +77,33 @@ _CLAIM = text(
         SELECT id, attempts, :tok, :owner FROM claimed
     )
     SELECT * FROM claimed
+"""
+_CLAIM = text("WITH" + _CLAIM_BODY.format(target=":id"))
+# Starting a run in priority order (kinds with a `start_step`): the start messages of a kind are
+# interchangeable, so a delivery claims the pending run that should start first instead of its
+# own when that one has a strictly higher priority. A delivery whose own step is taken already
+# (it was claimed by such a swap, or it is a duplicate) starts the best pending run in its place,
+# so the swapped-out run loses no message. Equal priorities keep the broker's FIFO order and cost
+# one probe of `task_run_start_idx` that finds nothing.
+_CLAIM_START = text(
     """
+    WITH me AS (
+        SELECT s.status = 'pending' AS open, r.status = 'pending' AS fresh, r.kind, r.version, r.priority
+          FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
+         WHERE s.id = :id AND s.stage = 0
+    ), better AS (
+        SELECT s2.id
+          FROM me
+          JOIN engine.task_run r2 ON r2.kind = me.kind AND r2.version = me.version AND r2.status = 'pending'
+          JOIN engine.step s2 ON s2.run_id = r2.id AND s2.stage = 0
+         WHERE (NOT me.open OR (me.fresh AND r2.priority > me.priority))
+           AND r2.cancel_requested_at IS NULL
+           AND s2.status = 'pending' AND s2.next_attempt_at <= now()
+         ORDER BY r2.priority DESC, r2.created_at, r2.id
+         LIMIT 1
+           FOR UPDATE OF s2 SKIP LOCKED
+    ),"""
+    + _CLAIM_BODY.format(target="coalesce((SELECT id FROM better), :id)")
 )
 _CLOSE_ATTEMPT = text(
     "UPDATE engine.step_attempt SET outcome = :outcome, ended_at = now(), "
@@ -145,17 +172,21 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 # claim
 
 
-def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
-    """The claim transaction; also returns waiters to wake when a denial saw free slots."""
+def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[Dispatch]]:
+    """The claim transaction; also returns waiters to wake when a denial saw free slots.
+
+    `starts_run`: the message is for the kind's `start_step` (a kind without limits), so it
+    may start a better-ordered pending run instead (`_CLAIM_START`).
+    """
     token = uuid.uuid4()
     kicks: list[Dispatch] = []
     params = {"id": step_id, "tok": token, "owner": worker_id(), "ttl": get_settings().lease_ttl_s}
-    if not any_limits():
+    if starts_run or not any_limits():
         # Nothing to admit: the claim is a single statement, atomic on its own, so it runs in
         # autocommit and saves the BEGIN and COMMIT round trips.
         with db.get_engine().connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT")
-            row = conn.execute(_CLAIM, params).first()
+            row = conn.execute(_CLAIM_START if starts_run else _CLAIM, params).first()
         if row is None:
             return None, []
     else:
@@ -172,7 +203,7 @@ def _claim(step_id: int) -> tuple[Claim | None, list[Dispatch]]:
             if row is None:
                 return None, []
     return Claim(
-        step_id=step_id,
+        step_id=row.id,
         run_id=row.run_id,
         stage=row.stage,
         name=row.name,
@@ -372,9 +403,9 @@ def handoff(s: Session, kind: Kind, concurrency_key: str | None) -> list[Dispatc
 # execute
 
 
-def execute(step_id: int) -> str:
+def execute(step_id: int, starts_run: bool = False) -> str:
     """Run one delivery of a step message; returns the outcome (for logs and tests)."""
-    c, kicks = _claim(step_id)
+    c, kicks = _claim(step_id, starts_run)
     dispatch.publish_after_commit(kicks)
     if c is None:
         return "noop"

@@ -133,9 +133,11 @@ def insert_run(
 
     `version` pins an older version (an old build still enqueuing during a rollout); by default
     a run starts on the newest version this process knows, and keeps it to the end.
-    `priority` (higher first) orders the start of runs waiting for a slot of a limited kind,
-    and the sweeper's re-sends. `trace` is a W3C carrier to parent the run's trace on; by
-    default the caller's current span is the parent.
+    `priority` (higher first, FIFO within one priority) orders the start of a kind's pending
+    runs: in the admission line of a limited kind, by the claim of the start step otherwise
+    (`protocol._CLAIM_START`, whatever order the broker delivers in), and the sweeper's re-sends.
+    `trace` is a W3C carrier to parent the run's trace on; by default the caller's current span
+    is the parent.
     """
     check_key(idempotency_key)
     if available_at is not None and not isinstance(available_at, datetime):
