@@ -26,6 +26,15 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="re-publish a pending step whose message seems lost"
     )
 
+    inline_steps: int = Field(
+        default=10,
+        ge=0,
+        description="a worker runs up to N next steps of a linear chain itself, without a message (0: off)",
+    )
+    inline_budget_s: float = Field(
+        default=2.0, ge=0, description="and stops continuing inline once one delivery has run this long"
+    )
+
     db_pool_size: int = Field(default=3, ge=1)
     db_max_overflow: int = Field(default=2, ge=0)
     worker_concurrency: int = Field(default=2, ge=1)

@@ -27,9 +27,10 @@ import json
 import logging
 import os
 import socket
+import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -150,6 +151,38 @@ class Claim:
     priority: int = 0
     concurrency_key: str | None = None
     trace: dict[str, Any] | None = None
+
+
+@dataclass
+class Carry:
+    """Leave to claim the run's next step inside the committing transaction and run it here.
+
+    A linear chain continues in the same process: the next step row is inserted already
+    `running` under a fresh lease token (with its attempt record), so it needs no message and no
+    second claim. Fencing is unchanged: the lease is taken in the transaction that commits the
+    previous step, and a crash leaves a running step whose lease expires for the sweeper.
+    """
+
+    parent: Claim
+    token: uuid.UUID = field(default_factory=uuid.uuid4)
+    claim: Claim | None = None
+
+
+class InlineBudget:
+    """How far one delivery may continue a chain inline (`inline_steps`, `inline_budget_s`), so a
+    long chain still yields its process to other queues and shows up in Flower now and then."""
+
+    def __init__(self) -> None:
+        settings = get_settings()
+        self.steps_left = settings.inline_steps
+        self.deadline = time.monotonic() + settings.inline_budget_s
+
+    def carry(self, c: Claim, kind: Kind) -> Carry | None:
+        # Limited kinds go back to the admission line between steps (`handoff` keeps its order).
+        if self.steps_left <= 0 or kind.has_limits or time.monotonic() >= self.deadline:
+            return None
+        self.steps_left -= 1
+        return Carry(parent=c)
 
 
 def worker_id() -> str:
@@ -404,12 +437,21 @@ def handoff(s: Session, kind: Kind, concurrency_key: str | None) -> list[Dispatc
 
 
 def execute(step_id: int, starts_run: bool = False) -> str:
-    """Run one delivery of a step message; returns the outcome (for logs and tests)."""
+    """Run one delivery of a step message, and the chain after it while the inline budget
+    lasts; returns the outcome of the last step run (for logs and tests)."""
     c, kicks = _claim(step_id, starts_run)
     dispatch.publish_after_commit(kicks)
-    if c is None:
-        return "noop"
+    outcome = "noop"
+    budget = InlineBudget()
+    while c is not None:
+        outcome, c = _run_claimed(c, budget)
+    return outcome
+
+
+def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
+    """One attempt of a claimed step: span, body, fenced commit, hand-off, publish."""
     kind = get_kind(c.kind, c.version)
+    carry = budget.carry(c, kind)
     with tracing.step_span(
         c.trace,
         kind=c.kind,
@@ -419,7 +461,7 @@ def execute(step_id: int, starts_run: bool = False) -> str:
         attempt=c.attempt,
         item_index=c.item_index if c.item is not None else None,
     ) as span:
-        outcome, to_publish, error = _attempt(c, kind)
+        outcome, to_publish, error = _attempt(c, kind, carry)
         tracing.set_outcome(span, outcome, error)
     if limit_gates(kind, c.concurrency_key):
         try:
@@ -428,10 +470,14 @@ def execute(step_id: int, starts_run: bool = False) -> str:
         except Exception as exc:  # the sweeper re-sends blocked steps anyway
             log.warning("hand-off after step %s failed: %s", c.step_id, exc)
     dispatch.publish_after_commit(to_publish)
-    return outcome
+    # Only a committed success carries on; otherwise a claimed next step (if its transaction
+    # committed at all) is left to its lease and the sweeper.
+    return outcome, carry.claim if carry is not None and outcome == "succeeded" else None
 
 
-def _attempt(c: Claim, kind: Kind) -> tuple[str, list[Dispatch], BaseException | None]:
+def _attempt(
+    c: Claim, kind: Kind, carry: Carry | None = None
+) -> tuple[str, list[Dispatch], BaseException | None]:
     """Body (or wait check) and its fenced commit, under the heartbeat."""
     sdef = kind.step_def(c.name)
     ctx = StepContext(
@@ -455,9 +501,12 @@ def _attempt(c: Claim, kind: Kind) -> tuple[str, list[Dispatch], BaseException |
                 outcome, to_publish = _run_wait(c, ctx, kind, sdef.wait)
             else:
                 assert sdef.fn is not None
-                ctx.commit_hook = lambda session, result: commit_success(c, kind, result, session)
+                ctx.commit_hook = lambda session, result: commit_success(c, kind, result, session, carry)
                 result = sdef.fn(ctx)
-                to_publish = ctx.finished if ctx.finished is not None else commit_success(c, kind, result)
+                if ctx.finished is not None:
+                    to_publish = ctx.finished
+                else:
+                    to_publish = commit_success(c, kind, result, carry=carry)
                 outcome = "succeeded"
         except LeaseLost as exc:
             log.warning("step %s attempt %s: %s", c.step_id, c.attempt, exc)
@@ -483,24 +532,27 @@ def _commit_or_refuse(fn: Any, *args: Any) -> tuple[str, list[Dispatch]]:
 # commits (all fenced by the lease token)
 
 
-def commit_success(c: Claim, kind: Kind, result: Any, session: Session | None = None) -> list[Dispatch]:
+def commit_success(
+    c: Claim, kind: Kind, result: Any, session: Session | None = None, carry: Carry | None = None
+) -> list[Dispatch]:
     """Store the result and advance the run, or refuse if the lease is gone.
 
     With `session` (from `StepContext.finish`), it joins the body's business transaction so
-    the writes and the result commit together.
+    the writes and the result commit together. With `carry`, a single next step is claimed in
+    the same transaction for this process to run (`Carry`).
     """
     payload = to_json(result)
     if session is not None:
-        return _succeed(session, c, payload)
+        return _succeed(session, c, payload, carry)
     with db.transaction() as s:
-        return _succeed(s, c, payload)
+        return _succeed(s, c, payload, carry)
 
 
-def _succeed(s: Session, c: Claim, payload: str) -> list[Dispatch]:
+def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> list[Dispatch]:
     run = s.execute(_SUCCEED, {"id": c.step_id, "tok": c.token, "result": payload}).first()
     if run is None:
         raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
-    return advance(s, c.run_id, run=run, stage=c.stage)
+    return advance(s, c.run_id, run=run, stage=c.stage, carry=carry)
 
 
 def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[str, list[Dispatch]]:
@@ -595,7 +647,9 @@ def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> None:
 # advancing the chain
 
 
-def advance(s: Session, run_id: uuid.UUID, *, run: Any = None, stage: int | None = None) -> list[Dispatch]:
+def advance(
+    s: Session, run_id: uuid.UUID, *, run: Any = None, stage: int | None = None, carry: Carry | None = None
+) -> list[Dispatch]:
     """After a step committed: if its stage is complete, start the next one or finish the run.
 
     The run row lock serialises the fan-in, so exactly one committer advances a stage. `run` is
@@ -632,7 +686,7 @@ def advance(s: Session, run_id: uuid.UUID, *, run: Any = None, stage: int | None
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)
     stage = run.current_stage + 1
     while stage < len(kind.canvas):
-        has_steps, created = create_stage(s, run_id, kind, stage, plan, priority=run.priority)
+        has_steps, created = create_stage(s, run_id, kind, stage, plan, priority=run.priority, carry=carry)
         if has_steps:
             return created
         stage += 1  # an empty fan-out: nothing to wait for
@@ -672,6 +726,63 @@ _CREATE_STAGE = text(
 )
 
 
+# The next stage's one step, inserted claimed for the committing process (`Carry`).
+_CLAIM_NEXT = text(
+    """
+    WITH ins AS (
+        INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
+                                 published_at, status, lease_token, lease_owner, lease_until,
+                                 attempts, started_at)
+        VALUES (:run, :stage, :name, 0, :max, now(), now(), 'running', :tok, :owner,
+                now() + make_interval(secs => :ttl), 1, now())
+        ON CONFLICT (run_id, stage, item_index) DO NOTHING
+        RETURNING id, now() AS claimed_at
+    ), pointed AS (
+        UPDATE engine.task_run SET current_stage = :stage, current_step = :label, updated_at = now()
+         WHERE id = :run
+    ), attempt AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
+        SELECT id, 1, :tok, :owner FROM ins
+    )
+    SELECT id, claimed_at FROM ins
+    """
+)
+
+
+def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> bool:
+    """Insert `stage`'s single step already claimed under `carry.token`; False if it exists."""
+    sdef = kind.canvas[stage].steps[0]
+    max_attempts = kind.policy_for(sdef).max_attempts
+    row = s.execute(
+        _CLAIM_NEXT,
+        {
+            "run": carry.parent.run_id,
+            "stage": stage,
+            "name": sdef.name,
+            "label": kind.canvas[stage].label,
+            "max": max_attempts,
+            "tok": carry.token,
+            "owner": worker_id(),
+            "ttl": get_settings().lease_ttl_s,
+        },
+    ).first()
+    if row is None:
+        return False
+    carry.claim = replace(
+        carry.parent,
+        step_id=row.id,
+        stage=stage,
+        name=sdef.name,
+        item_index=0,
+        item=None,
+        attempt=1,
+        max_attempts=max_attempts,
+        claimed_at=row.claimed_at,
+        token=carry.token,
+    )
+    return True
+
+
 def create_stage(
     s: Session,
     run_id: uuid.UUID,
@@ -681,12 +792,17 @@ def create_stage(
     *,
     available_at: datetime | None = None,
     priority: int = 0,
+    carry: Carry | None = None,
 ) -> tuple[bool, list[Dispatch]]:
     """Insert the step rows of `stage` and point the run at it.
 
     Returns whether the stage has any step (an empty fan-out has none) and what to publish now.
+    A stage of one plain step under `carry` is inserted claimed instead, and published never.
     """
     st = kind.canvas[stage]
+    inline = carry is not None and carry.parent.run_id == run_id and available_at is None
+    if inline and st.over is None and len(st.steps) == 1 and _claim_next(s, carry, kind, stage):
+        return True, []
     if st.over is not None:
         items = list(st.over(plan))
         rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]

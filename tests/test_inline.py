@@ -1,0 +1,91 @@
+"""Linear chains continue in the worker that ran the previous step (`protocol.Carry`).
+
+The next step is claimed in the transaction that commits the previous one, so it needs no
+message. These tests call `protocol.execute` directly (no Celery) and record what would be
+published, so they see exactly which steps travelled as messages. Recovery of an inline step
+whose worker is killed is `test_engine_faults::test_kill_9_mid_step_resumes_elsewhere…` (its
+slow step s3 is reached inline).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proj.engine import dispatch, protocol, runs
+from proj.settings import get_settings
+from tests.conftest import new_key
+from tests.support.services import scalar, sql
+
+
+@pytest.fixture
+def published(monkeypatch) -> list[dispatch.Dispatch]:
+    """Messages the engine would send, recorded instead of sent."""
+    sent: list[dispatch.Dispatch] = []
+    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.extend(items))
+    return sent
+
+
+def _first_step(run_id: Any) -> int:
+    return scalar("SELECT id FROM engine.step WHERE run_id = %s AND stage = 0", (run_id,))
+
+
+def _steps(run_id: Any) -> list[tuple[Any, ...]]:
+    return sql(
+        "SELECT s.name, s.status, s.attempts, a.worker, a.lease_token FROM engine.step s "
+        "LEFT JOIN engine.step_attempt a ON a.step_id = s.id WHERE s.run_id = %s ORDER BY s.stage",
+        (run_id,),
+    )
+
+
+def test_a_linear_chain_runs_to_the_end_from_one_message(published) -> None:
+    ref = runs.enqueue("probe", {"n": 3}, idempotency_key=new_key())
+    published.clear()
+
+    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+
+    assert published == [], "no step after the first needed a message"
+    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "succeeded"
+    rows = _steps(ref.task_run_id)
+    assert [(r[0], r[1], r[2]) for r in rows] == [(f"s{i}", "succeeded", 1) for i in range(1, 6)]
+    assert len({r[3] for r in rows}) == 1, "one worker ran them all"
+    assert len({r[4] for r in rows}) == 5, "each step had a lease token of its own"
+    assert sql("SELECT step, count(*) FROM testkit.execution GROUP BY step ORDER BY step") == [
+        (f"s{i}", 1) for i in range(1, 6)
+    ]
+
+
+def test_the_inline_budget_hands_the_rest_of_the_chain_to_a_message(published, monkeypatch) -> None:
+    monkeypatch.setattr(get_settings(), "inline_steps", 2)
+    ref = runs.enqueue("probe", {}, idempotency_key=new_key())
+    published.clear()
+
+    protocol.execute(_first_step(ref.task_run_id), starts_run=True)
+
+    statuses = [(r[0], r[1]) for r in _steps(ref.task_run_id)]
+    assert statuses == [("s1", "succeeded"), ("s2", "succeeded"), ("s3", "succeeded"), ("s4", "pending")]
+    assert [d.task_name for d in published] == ["probe.v1.s4"]
+    assert protocol.execute(published[0].step_id) == "succeeded"
+    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "succeeded"
+
+
+def test_inline_off_publishes_every_step(published, monkeypatch) -> None:
+    monkeypatch.setattr(get_settings(), "inline_steps", 0)
+    ref = runs.enqueue("probe", {}, idempotency_key=new_key())
+    published.clear()
+    protocol.execute(_first_step(ref.task_run_id), starts_run=True)
+    assert [d.task_name for d in published] == ["probe.v1.s2"]
+
+
+def test_limited_kinds_and_fan_outs_go_back_to_the_broker(published) -> None:
+    """A limited run returns to the admission line between steps; a fan-out's items are spread
+    over the workers. Neither is continued inline."""
+    keyed = runs.enqueue("keyed", {"key": "k", "hold_s": 0.0}, idempotency_key=new_key())
+    fan = runs.enqueue("fan", {"items": 3}, idempotency_key=new_key())
+    published.clear()
+
+    protocol.execute(_first_step(keyed.task_run_id))
+    protocol.execute(_first_step(fan.task_run_id), starts_run=True)
+
+    assert sorted(d.task_name for d in published) == ["fan.v1.each"] * 3 + ["keyed.v1.second"]
