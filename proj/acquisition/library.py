@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
+import sys
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -53,9 +56,11 @@ def copy_file(
     `.part-<token>` file that compensation or the next attempt removes. The sha256 is of the
     bytes written: each chunk is read once into one of two reusable buffers, then written from
     it while a helper thread hashes the same buffer (hashlib and file I/O release the GIL), so
-    hashing overlaps writing and reading the next chunk instead of adding to them. Writeback of
-    each written chunk is started at once (`_start_writeback`), so the final fsync has little
-    left to wait for; durability still rests on that fsync.
+    hashing overlaps writing and reading the next chunk instead of adding to them. The write
+    side streams (`_Writeback`): writeback of each chunk starts as soon as it is written, and a
+    chunk `_Writeback.LAG` chunks back is waited for and dropped from the page cache, so the
+    final fsync has little left to wait for and the copy recycles a few chunks' worth of page
+    cache instead of filling it with the whole file; durability still rests on that fsync.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(dst, token)
@@ -70,9 +75,9 @@ def copy_file(
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-sha256") as hasher,
         ):
             _advise_sequential(fin.fileno())
+            writeback = _Writeback(fout.fileno())
             hashing: Future[None] | None = None  # the previous chunk's hash (its buffer is busy)
             turn = 0
-            previous = 0  # size of the previous chunk, whose writeback is started after this one
             while True:
                 checkpoint()
                 buf = buffers[turn]
@@ -84,9 +89,7 @@ def copy_file(
                     hashing.result()  # chunks are hashed in order, one at a time
                 hashing = hasher.submit(h.update, view)
                 _write_all(fout, view)
-                if previous:
-                    _start_writeback(fout.fileno(), done - previous, previous)
-                previous = n
+                writeback.written(done, n)
                 done += n
                 turn ^= 1  # the next read goes to the other buffer while this one is hashed
                 if progress is not None:
@@ -110,10 +113,57 @@ def _write_all(fout: BinaryIO, view: memoryview) -> None:
         off += fout.write(view[off:]) or 0
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing these dirty pages to disk now (Linux: POSIX_FADV_DONTNEED starts async
-    writeback, then drops the pages already clean from the cache) instead of leaving the whole
-    file to the final fsync, so the disk works while the copy goes on. A hint: errors ignored."""
+# sync_file_range(2) flags (linux/fs.h)
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Linux only; Python has no binding). None where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # a ctypes call releases the GIL while it waits
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class _Writeback:
+    """Streaming writes of one file: start writing each chunk to disk as soon as it is written,
+    and once `LAG` newer chunks are in flight, wait for that chunk's writeback and drop its now
+    clean pages from the page cache (the classic sync_file_range + POSIX_FADV_DONTNEED pattern).
+
+    So the disk works while the copy goes on, the final fsync has at most `LAG` chunks left to
+    wait for, dirty memory stays bounded, and the copy reuses a few chunks' worth of page cache
+    instead of taking (and evicting other data for) a whole file's worth. Hints only: errors are
+    ignored, a write error still surfaces at the fsync. Without sync_file_range (not Linux),
+    POSIX_FADV_DONTNEED alone starts writeback on Linux and is a no-op elsewhere."""
+
+    LAG = 2
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.spans: deque[tuple[int, int]] = deque()
+
+    def written(self, offset: int, length: int) -> None:
+        if _sync_file_range is None:
+            _fadvise_dontneed(self.fd, offset, length)
+            return
+        _sync_file_range(self.fd, offset, length, _SFR_WRITE)
+        self.spans.append((offset, length))
+        if len(self.spans) > self.LAG:
+            old, size = self.spans.popleft()
+            _sync_file_range(self.fd, old, size, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+            _fadvise_dontneed(self.fd, old, size)
+
+
+def _fadvise_dontneed(fd: int, offset: int, length: int) -> None:
+    """Linux: start async writeback of these pages, then drop those already clean."""
     if hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
