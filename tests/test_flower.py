@@ -92,7 +92,9 @@ def _status(run_id: uuid.UUID) -> str:
 
 
 def test_flower_shows_a_runs_steps_with_workers_and_queues(procs, flower: str) -> None:
-    procs.worker("fw1", concurrency=2)
+    # Every step as a message of its own: with inline continuation (the default), Flower shows
+    # one task per inline batch instead; /admin's timeline shows every step either way.
+    procs.worker("fw1", concurrency=2, env={"INLINE_STEPS": "0"})
     assert httpx.get(flower + "/api/tasks", timeout=5).status_code == 401  # the API needs auth
 
     # Flower's event receiver starts after its HTTP server: warm up until it sees a task.
