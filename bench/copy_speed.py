@@ -1,27 +1,38 @@
 """Library copy speed: `proj.acquisition.library.copy_file` vs `cp` on the same disk.
 
-    .venv/bin/python -m bench.copy_speed [--size 1G] [--dir /tmp] [--reps 5] [--json]
+    .venv/bin/python -m bench.copy_speed [--size 1G] [--dir /tmp] [--reps 7] [--memory warm|cold]
+        [--source warm|cold] [--json]
 
 Makes a `--size` file of random bytes in a fresh directory under `--dir` (so source and
-destination are on the same filesystem), lets it settle (`sync`), then alternates, `--reps`
-times each (5 by default: on this VM the kernel time of a page-cache write varies by 2-4x from
-run to run, so 3 runs are too few for a stable median):
+destination are on the same filesystem), lets it settle (`sync`), runs every contender once
+untimed (warm-up), then `--reps` rounds; each round runs every contender once, in an order that
+rotates from round to round (no contender always first or always after the same one):
 
-- `cp SRC DST`, timed, then `sync DST` (coreutils: fsync of that file), timed separately: the
-  rows `cp` and `cp + fsync` (ours fsyncs the file before its rename, so `cp + fsync` is the
+- `cp SRC DST` (a subprocess, timed), then fsync of DST from this process (timed separately):
+  the rows `cp` and `cp + fsync` (ours fsyncs the file before its rename, so `cp + fsync` is the
   like-for-like baseline; `cp` alone leaves the data in the page cache);
 - `copy_file(SRC, DST)` as the import and relocate kinds call it (default chunk
   `COPY_CHUNK_BYTES`): temp file, chunked copy with a checkpoint per chunk, sha256 of what was
-  written, fsync, atomic rename, fsync of the directory (`copy_file` and the next one swap
-  places every run);
-- the implementation before this benchmark (`read()` of a fresh bytes object per chunk, then
-  write, then hash, in one thread), kept here as `copy_file_before` for the side-by-side figure.
+  written, fsync, atomic rename, fsync of the directory;
+- the implementation before the first version of this benchmark (`read()` of a fresh bytes
+  object per chunk, then write, then hash, in one thread), kept here as `copy_file_before`.
 
-Nothing is dropped from the page cache (the source is cached for every contender alike); the
-destination is removed and `sync`ed (untimed) between runs so no writeback spills into the next.
+The same state for every contender, before every timed run (untimed): the destination removed
+and everything dirty flushed (`sync`); the source in the page cache (`--source warm`, default)
+or dropped from it (`--source cold`, POSIX_FADV_DONTNEED on the clean file); and the guest's
+free memory (`--memory`): this VM (Firecracker, virtio-balloon with free page reporting) hands
+freed memory back to the host about 2 s after it is freed, and the next write into the page
+cache that lands on such memory pays a host page fault per page: the same `cp` takes 0.3 s or
+1.3-2.7 s depending on it. `--memory warm` (default) writes and unlinks a scratch file of the
+source's size just before each timed run, so every contender starts with that much memory
+freshly freed (hot); `--memory cold` waits 3 s instead, so every contender starts on returned
+(cold) memory. Without either, the order decided it: a contender run right after `cp` (which
+frees a whole file's worth of hot pages) was favoured over one run after `copy_file` (which
+recycles a few chunks and frees little).
+
 Then, separately: sha256 of the cached file alone (`readinto` + `hashlib.sha256`, one thread,
 the cost inherent to hashing what is written), and `copy_file` at several chunk sizes. Figures
-are medians; MB = 10^6 bytes. Target (issue "Benchmarks side by side"): ≥ 80 % of cp.
+are medians and best runs; MB = 10^6 bytes. Target (issue #5): >= 0.80 of `cp` + fsync.
 """
 
 from __future__ import annotations
@@ -56,7 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--size", default="1G", help="file size (1G, 512M, bytes)")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where to copy (a temp dir is made in it)")
-    p.add_argument("--reps", type=int, default=5, help="runs of each contender (alternating)")
+    p.add_argument("--reps", type=int, default=7, help="rounds (each contender once per round, rotating)")
+    p.add_argument(
+        "--memory",
+        choices=("warm", "cold"),
+        default="warm",
+        help="free memory state before each run: freshly freed (warm) or returned to the host (cold)",
+    )
+    p.add_argument(
+        "--source", choices=("warm", "cold"), default="warm", help="source in the page cache or not"
+    )
     p.add_argument(
         "--chunks", default="1M,4M,8M,16M,32M", help="chunk sizes to try for copy_file ('' to skip)"
     )
@@ -92,6 +112,39 @@ def settle(path: Path) -> None:
     """Remove the destination and flush everything dirty (untimed)."""
     path.unlink(missing_ok=True)
     os.sync()
+
+
+def prepare(src: Path, scratch: Path, memory: str | None, source: str) -> None:
+    """The same starting state for every timed run (untimed; see the module docstring)."""
+    if source == "cold":
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the source is clean: dropped
+        finally:
+            os.close(fd)
+    if memory is None:  # reading only: the free memory state does not matter
+        return
+    if memory == "cold":
+        time.sleep(3.0)  # free page reporting returns freed memory after ~2 s
+        return
+    size = src.stat().st_size
+    block = bytes(8 << 20)
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = size
+        while left > 0:
+            left -= os.write(fd, block[: min(len(block), left)])
+    finally:
+        os.close(fd)
+        scratch.unlink()  # dirty pages of an unlinked file are discarded, not written
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 CPU: dict[str, list[tuple[float, float]]] = {}  # contender -> [(own CPU s, others' CPU s)] per run
@@ -161,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     dst.parent.mkdir()
     log = None if args.json else sys.stderr
     cp = shutil.which("cp") or "cp"
-    sync = shutil.which("sync") or "sync"
+    scratch = work / "scratch.bin"
     times: dict[str, list[float]] = {"cp": [], "cp + fsync": [], "copy_file": []}
     if not args.no_before:
         times["copy_file (before)"] = []
@@ -171,33 +224,48 @@ def main(argv: list[str] | None = None) -> int:
         digest = make_source(src, size)
         os.sync()
 
-        def ours() -> None:
-            t, r = timed(lambda: library.copy_file(src, dst, "bench", chunk=default_chunk), "copy_file")
+        def run_cp(record: bool) -> None:
+            t_cp, _ = timed(
+                lambda: subprocess.run([cp, str(src), str(dst)], check=True), "cp" if record else None
+            )
+            t_sync, _ = timed(lambda: fsync_path(dst), "fsync after cp" if record else None)
+            if record:
+                times["cp"].append(t_cp)
+                times["cp + fsync"].append(t_cp + t_sync)
+
+        def run_ours(record: bool) -> None:
+            label = "copy_file" if record else None
+            t, r = timed(lambda: library.copy_file(src, dst, "bench", chunk=default_chunk), label)
             if r["sha256"] != digest or r["size"] != size:
                 raise SystemExit("copy_file produced a different file")
-            times["copy_file"].append(t)
-            settle(dst)
+            if record:
+                times["copy_file"].append(t)
 
-        def before() -> None:
-            t, _ = timed(
-                lambda: copy_file_before(src, dst, "before", chunk=default_chunk), "copy_file (before)"
-            )
-            times["copy_file (before)"].append(t)
-            settle(dst)
+        def run_before(record: bool) -> None:
+            label = "copy_file (before)" if record else None
+            t, _ = timed(lambda: copy_file_before(src, dst, "before", chunk=default_chunk), label)
+            if record:
+                times["copy_file (before)"].append(t)
 
+        contenders = [run_cp, run_ours] if args.no_before else [run_cp, run_ours, run_before]
+        for fn in contenders:  # warm-up, untimed
+            prepare(src, scratch, args.memory, args.source)
+            fn(False)
+            settle(dst)
         for rep in range(args.reps):
-            t_cp, _ = timed(lambda: subprocess.run([cp, str(src), str(dst)], check=True), "cp")
-            t_sync, _ = timed(lambda: subprocess.run([sync, str(dst)], check=True), "fsync after cp")
-            times["cp"].append(t_cp)
-            times["cp + fsync"].append(t_cp + t_sync)
-            settle(dst)
-            order = [ours] if args.no_before else [ours, before]
-            for fn in order if rep % 2 == 0 else order[::-1]:  # no position bias between the two
-                fn()
+            k = rep % len(contenders)
+            order = contenders[k:] + contenders[:k]
+            if (rep // len(contenders)) % 2:
+                order.reverse()  # every position and every predecessor over the rounds
+            for fn in order:
+                prepare(src, scratch, args.memory, args.source)
+                fn(True)
+                settle(dst)
             if log:
                 print(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), file=log)
         sha: list[float] = []
         for _ in range(args.reps):
+            prepare(src, scratch, None, args.source)
             t, d = timed(lambda: sha256_only(src), "sha256 alone")
             if d != digest:
                 raise SystemExit("sha256 mismatch")
@@ -205,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         chunks: dict[int, list[float]] = {}
         for _ in range(args.chunk_reps):
             for c in [parse_size(x) for x in args.chunks.split(",") if x.strip()]:
+                prepare(src, scratch, args.memory, args.source)
                 t, _ = timed(lambda c=c: library.copy_file(src, dst, "chunk", chunk=c))
                 chunks.setdefault(c, []).append(t)
                 settle(dst)
@@ -224,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "size_bytes": size,
             "reps": args.reps,
+            "memory": args.memory,
+            "source": args.source,
             "dir": args.dir,
             "filesystem": fs_of(Path(args.dir)),
             "copy_chunk_bytes": default_chunk,
@@ -261,7 +332,8 @@ def print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
     print(
         f"copy of a {cfg['size_bytes'] / 2**20:.0f} MiB file in {cfg['dir']} on {cfg['filesystem']}; "
-        f"{cfg['reps']} runs each, alternating; COPY_CHUNK_BYTES={cfg['copy_chunk_bytes']}; {cfg['cp']}"
+        f"{cfg['reps']} runs each, rotating; memory {cfg['memory']}, source {cfg['source']}; "
+        f"COPY_CHUNK_BYTES={cfg['copy_chunk_bytes']}; {cfg['cp']}"
     )
     print(machine_line(report["machine"]))
     print()
