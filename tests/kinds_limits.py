@@ -11,7 +11,7 @@ import time
 from pydantic import BaseModel
 
 from proj.engine.context import StepContext
-from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step
+from proj.engine.kind import Kind, RetryPolicy, fan_out, group, register, step
 from tests.kinds import finish, record
 
 
@@ -117,5 +117,29 @@ RANKED = register(
         retry=FAST_RETRY,
         input_model=HoldInput,
         canvas=(step("first", hold), step("second", lambda ctx: {"done": True})),
+    )
+)
+
+# The same, with a first stage of several rows: a group, and a fan-out over the input's items.
+RANKED_GROUP = register(
+    Kind(
+        name="ranked_group",
+        version=1,
+        retry=FAST_RETRY,
+        input_model=HoldInput,
+        canvas=(group(step("first", hold), step("beside", hold)), step("second", lambda ctx: {"done": True})),
+    )
+)
+
+RANKED_FAN = register(
+    Kind(
+        name="ranked_fan",
+        version=1,
+        retry=FAST_RETRY,
+        input_model=FanHoldInput,
+        canvas=(
+            fan_out("first", hold, over=lambda ctx: list(range(ctx.input.items))),
+            step("second", lambda ctx: {"done": True}),
+        ),
     )
 )

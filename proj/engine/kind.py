@@ -206,14 +206,22 @@ class Kind:
     def start_step(self) -> str | None:
         """The step whose messages start runs in priority order, if the kind has one.
 
-        That is a first stage of exactly one plain step, on a kind without limits: its
+        That is the first step (item 0) of the first stage, on a kind without limits: its
         messages are interchangeable between the kind's pending runs (same task, same queue).
-        Limited kinds order their starts in the admission line instead (`protocol._admit`).
+        When the first stage has more rows (a group, a fan-out), the rest are held back until
+        item 0 is claimed (`holds_start_siblings`). Limited kinds order their starts in the
+        admission line instead (`protocol._admit`); a first step that waits is not reordered.
         """
         first = self.canvas[0]
-        if self.has_limits or first.over is not None or len(first.steps) != 1:
+        if self.has_limits or first.steps[0].wait is not None:
             return None
         return first.steps[0].name
+
+    @property
+    def holds_start_siblings(self) -> bool:
+        """The first stage can have more rows than item 0: they are published when it is claimed."""
+        first = self.canvas[0]
+        return self.start_step is not None and (first.over is not None or len(first.steps) > 1)
 
 
 _REGISTRY: dict[tuple[str, int], Kind] = {}

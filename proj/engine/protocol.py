@@ -80,23 +80,23 @@ _CLAIM_BODY = """
     SELECT * FROM claimed
 """
 _CLAIM = text("WITH" + _CLAIM_BODY.format(target=":id"))
-# Starting a run in priority order (kinds with a `start_step`): the start messages of a kind are
-# interchangeable, so a delivery claims the pending run that should start first instead of its
-# own when that one has a strictly higher priority. A delivery whose own step is taken already
-# (it was claimed by such a swap, or it is a duplicate) starts the best pending run in its place,
-# so the swapped-out run loses no message. Equal priorities keep the broker's FIFO order and cost
-# one probe of `task_run_start_idx` that finds nothing.
+# Starting a run in priority order (kinds with a `start_step`): the start messages of a kind (its
+# first stage's item 0) are interchangeable, so a delivery claims the pending run that should
+# start first instead of its own when that one has a strictly higher priority. A delivery whose
+# own step is taken already (it was claimed by such a swap, or it is a duplicate) starts the best
+# pending run in its place, so the swapped-out run loses no message. Equal priorities keep the
+# broker's FIFO order and cost one probe of `task_run_start_idx` that finds nothing.
 _CLAIM_START = text(
     """
     WITH me AS (
         SELECT s.status = 'pending' AS open, r.status = 'pending' AS fresh, r.kind, r.version, r.priority
           FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
-         WHERE s.id = :id AND s.stage = 0
+         WHERE s.id = :id AND s.stage = 0 AND s.item_index = 0
     ), better AS (
         SELECT s2.id
           FROM me
           JOIN engine.task_run r2 ON r2.kind = me.kind AND r2.version = me.version AND r2.status = 'pending'
-          JOIN engine.step s2 ON s2.run_id = r2.id AND s2.stage = 0
+          JOIN engine.step s2 ON s2.run_id = r2.id AND s2.stage = 0 AND s2.item_index = 0
          WHERE (NOT me.open OR (me.fresh AND r2.priority > me.priority))
            AND r2.cancel_requested_at IS NULL
            AND s2.status = 'pending' AND s2.next_attempt_at <= now()
@@ -220,8 +220,10 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
         with db.get_engine().connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT")
             row = conn.execute(_CLAIM_START if starts_run else _CLAIM, params).first()
-        if row is None:
-            return None, []
+            if row is None:
+                return None, []
+            if starts_run and row.stage == 0 and row.item_index == 0:
+                kicks = _release_start_siblings(conn, row)
     else:
         with db.transaction() as s:
             slot = s.execute(_SLOT_OF, {"id": step_id}).first()
@@ -253,6 +255,24 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
         concurrency_key=row.concurrency_key,
         trace=row.trace,
     ), kicks
+
+
+_START_SIBLINGS = text(
+    "UPDATE engine.step SET published_at = now() "
+    "WHERE run_id = :run AND stage = 0 AND item_index > 0 AND status = 'pending' "
+    "RETURNING id, name"
+)
+
+
+def _release_start_siblings(conn: Any, row: Any) -> list[Dispatch]:
+    """The run just claimed by its start step: send the rest of its first stage, held back at
+    enqueue so that they could not start a run out of priority order (`Kind.holds_start_siblings`).
+    If this process dies before publishing, the sweeper re-sends them (`republish_after_s`)."""
+    kind = get_kind(row.kind, row.version)
+    if not kind.holds_start_siblings:
+        return []
+    rows = conn.execute(_START_SIBLINGS, {"run": row.run_id}).all()
+    return [Dispatch(r.id, kind.task_name(r.name), kind.queue, row.priority) for r in rows]
 
 
 # --------------------------------------------------------------------------------------------

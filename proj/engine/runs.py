@@ -210,6 +210,8 @@ def _insert(
             s, run_id, kind, stage, plan, available_at=available_at, priority=priority
         )
         if has_steps:
+            if stage == 0 and kind.holds_start_siblings:
+                out = out[:1]  # item 0 starts the run; the rest go out when it is claimed
             return TaskRunRef(run_id, created=True), out
     s.execute(
         text("UPDATE engine.task_run SET status = 'succeeded', finished_at = now() WHERE id = :id"),
