@@ -36,6 +36,11 @@ class Settings(BaseSettings):
     )
 
     db_pool_size: int = Field(default=3, ge=1)
+    db_ping_idle_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="ping a pooled connection on checkout only if it sat idle this long (0: always)",
+    )
     db_max_overflow: int = Field(default=2, ge=0)
     worker_concurrency: int = Field(default=2, ge=1)
     expected_workers: int = Field(
