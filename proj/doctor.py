@@ -137,6 +137,28 @@ def check_schema() -> Check:
         return Check("schema", "FAIL", _first_line(exc), "fix the postgres check first")
 
 
+def check_autovacuum() -> Check:
+    """The engine's claims and sweeps rely on partial indexes the planner only picks with
+    current statistics; with autovacuum off they go stale (tables planned as empty)."""
+    from sqlalchemy import text
+
+    from proj import db
+
+    try:
+        with db.get_engine().connect() as conn:
+            on = conn.scalar(text("SHOW autovacuum")) == "on"
+    except Exception as exc:
+        return Check("autovacuum", "FAIL", _first_line(exc), "fix the postgres check first")
+    if on:
+        return Check("autovacuum", "OK", "on")
+    return Check(
+        "autovacuum",
+        "WARN",
+        "off: engine table statistics go stale, claims and sweeps may stop using their indexes",
+        "set autovacuum = on in postgresql.conf, or run ANALYZE on the engine schema regularly",
+    )
+
+
 def check_budget(settings: Settings) -> Check:
     from proj.engine.errors import ConnectionBudgetExceeded
     from proj.engine.preflight import check_connection_budget
@@ -192,9 +214,11 @@ def run_checks(
     run("qbittorrent", lambda: check_qbittorrent(settings))
     if pg.status == "OK":
         run("schema", check_schema)
+        run("autovacuum", check_autovacuum)
         run("connection budget", lambda: check_budget(settings))
     else:
         results.append(Check("schema", "SKIP", "needs postgres", "fix the postgres check first"))
+        results.append(Check("autovacuum", "SKIP", "needs postgres", "fix the postgres check first"))
         results.append(Check("connection budget", "SKIP", "needs postgres", "fix the postgres check first"))
     if broker.status == "OK":
         run("workers", lambda: check_workers(settings))

@@ -45,6 +45,8 @@ def test_doctor_passes_on_a_healthy_setup() -> None:
         assert name in out
     assert "FAIL" not in out and "all checks passed" in out
     assert "at head" in out and "worst case" in out
+    autovacuum = scalar("SHOW autovacuum")
+    assert ("autovacuum        │ OK" if autovacuum == "on" else "autovacuum        │ WARN") in out, out
 
 
 def test_doctor_says_what_to_fix_and_hides_passwords() -> None:
