@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from outbox import nudge
+from outbox import nudge, tracing
 from outbox.models import OutboxEvent
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def add(session: Session, kind: str, idempotency_key: str, payload: Mapping[str,
         raise BadEvent(f"outbox payload is {size} bytes, limit {MAX_PAYLOAD_BYTES}")
     event_id = session.scalar(
         pg_insert(OutboxEvent)
-        .values(kind=kind, idempotency_key=idempotency_key, payload=value)
+        .values(kind=kind, idempotency_key=idempotency_key, payload=value, trace=tracing.carrier())
         .on_conflict_do_nothing(index_elements=[OutboxEvent.kind, OutboxEvent.idempotency_key])
         .returning(OutboxEvent.id)
     )
@@ -220,7 +220,8 @@ def dispatch_batch(
             if time.monotonic() - started > budget_s:
                 break
             try:
-                ref = engine.enqueue(row.kind, row.payload, idempotency_key=row.idempotency_key)
+                with tracing.dispatch_span(row.trace, row.id, row.kind, row.idempotency_key):
+                    ref = engine.enqueue(row.kind, row.payload, idempotency_key=row.idempotency_key)
             except Exception as exc:
                 failures = row.attempts + 1
                 row.attempts = failures

@@ -56,3 +56,4 @@ class OutboxEvent(Base):
     run_ref: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    trace: Mapped[dict[str, str] | None] = mapped_column(JSONB)  # W3C carrier of the adding transaction

@@ -161,3 +161,36 @@ def test_no_exporter_unless_configured_and_otlp_when_it_is() -> None:
     assert on.returncode == 0, on.stderr
     assert on.stdout.split()[:2] == ["True", "TracerProvider"], on.stdout
     assert "OTLPSpanExporter" in on.stdout and on.stdout.strip().endswith("True")
+
+
+def test_an_outbox_event_carries_the_business_trace_to_its_run(inproc, spans) -> None:
+    """The request span that added an outbox event is the root of the run's trace: the event
+    stores the context, its dispatch span is the request's child, the enqueue the dispatch's."""
+    import outbox
+    from proj import db
+
+    with tracing.tracer().start_as_current_span("POST /requests") as request, db.transaction() as s:
+        event_id = outbox.add(s, "fan", new_key(), {"items": 2})
+    stored = scalar("SELECT trace FROM outbox.outbox_event WHERE id = %s", (event_id,))
+    assert stored and "traceparent" in stored, stored
+    outbox.dispatch(db.sessions(), inproc)  # outside the request span, as beat would be
+    run_id = scalar("SELECT run_ref FROM outbox.outbox_event WHERE id = %s", (event_id,))
+    wait_for(lambda: _status(run_id) == "succeeded", 30, what="run to finish")
+    wait_for(lambda: _named(list(spans.get_finished_spans()), "run fan"), 10, what="the run span")
+
+    group = _by_trace(spans)[request.get_span_context().trace_id]
+    (dispatched,) = _named(group, "outbox.dispatch fan")
+    assert dispatched.parent.span_id == request.get_span_context().span_id
+    assert dispatched.attributes["outbox.event_id"] == event_id
+    (enq,) = _named(group, "enqueue fan")
+    assert enq.parent.span_id == dispatched.context.span_id
+    assert len(_named(group, "fan.v1.")) >= 3 and _named(group, "run fan"), "the run's spans joined"
+
+
+def test_an_outbox_event_added_outside_any_span_stores_no_trace(inproc) -> None:
+    import outbox
+    from proj import db
+
+    with db.transaction() as s:
+        event_id = outbox.add(s, "fan", new_key(), {"items": 1})
+    assert scalar("SELECT trace FROM outbox.outbox_event WHERE id = %s", (event_id,)) is None
