@@ -1,4 +1,5 @@
-"""Helpers shared by the latency and scale benchmarks (recovery, signal_latency, scale, dbos_compare).
+"""Helpers shared by the benchmarks (throughput, outbox_latency, recovery, signal_latency, scale,
+dbos_compare).
 
 The conventions are those of `bench/throughput.py` and `bench/outbox_latency.py`: each bench has
 its own database (created with psycopg) and its own Redis db, starts real `celery -A proj`
@@ -8,7 +9,9 @@ the tree it is run from (`PYTHONPATH=<that tree>`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import platform
 import signal
@@ -26,15 +29,68 @@ PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 LOCK_TTL_S = 900
 
 
+LATENCY_KINDS = "bench.kinds,bench.latency_kinds"
+# periodic kinds (qBittorrent reconcile, library verify, purge) stay out of the way: once a day
+QUIET_PERIODIC = {
+    "PERIODIC_RECONCILE_S": "86400",
+    "PERIODIC_VERIFY_S": "86400",
+    "PERIODIC_PURGE_S": "86400",
+}
+
+
 def db_url(admin_url: str, name: str) -> str:
     return admin_url.rsplit("/", 1)[0] + "/" + name
 
 
-def set_env(env: dict[str, str]) -> None:
-    """Settings are read once per process: call this before `proj` is imported."""
+def add_service_args(
+    p: argparse.ArgumentParser, *, db: str, broker: str, db_help: str = "database (dropped and recreated)"
+) -> None:
+    """`--db`, `--pg-admin`, `--broker` and `--json`, with this bench's own database and Redis db."""
+    p.add_argument("--db", default=db, help=db_help)
+    p.add_argument("--pg-admin", default=PG_ADMIN)
+    p.add_argument("--broker", default=broker)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def service_env(
+    args: argparse.Namespace,
+    *,
+    db: str | None = None,
+    broker: str | None = None,
+    kinds: str = LATENCY_KINDS,
+    concurrency: int | None = None,
+    sweep_s: float | None = 1.0,
+    quiet_periodic: bool = True,
+    **settings: object,
+) -> dict[str, str]:
+    """The settings of a bench's processes (this one and its `celery` children).
+
+    `DATABASE_URL` is database `db` (default `args.db`) on `args.pg_admin`'s server, `BROKER_URL`
+    is `broker` (default `args.broker`), `ENGINE_EXTRA_KINDS` is `kinds`, `WORKER_CONCURRENCY` is
+    `concurrency` (default `args.concurrency`), `SWEEP_INTERVAL_S` is `sweep_s` (left unset if
+    None), the periodic kinds run once a day if `quiet_periodic`, and each extra keyword is one
+    more setting (`LEASE_TTL_S=3.0`). Values are `str()` of what is passed. Export with `set_env`.
+    """
+    env = {
+        "DATABASE_URL": db_url(args.pg_admin, args.db if db is None else db),
+        "BROKER_URL": args.broker if broker is None else broker,
+        "ENGINE_EXTRA_KINDS": kinds,
+        "WORKER_CONCURRENCY": str(args.concurrency if concurrency is None else concurrency),
+    }
+    if sweep_s is not None:
+        env["SWEEP_INTERVAL_S"] = str(sweep_s)
+    if quiet_periodic:
+        env.update(QUIET_PERIODIC)
+    env.update({key: str(value) for key, value in settings.items()})
+    return env
+
+
+def set_env(env: dict[str, str]) -> dict[str, str]:
+    """Settings are read once per process: call this before `proj` is imported. Returns `env`."""
     os.environ.update(env)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    return env
 
 
 def recreate_database(admin_url: str, name: str) -> None:
@@ -50,21 +106,46 @@ def recreate_database(admin_url: str, name: str) -> None:
         conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def wait_for_redis(r: Any, timeout: float = 60.0) -> None:
+    """Ping the `redis.Redis` client `r` until it answers (a test elsewhere may be restarting Redis)."""
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r.ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def prepare_database(args: argparse.Namespace, env: dict[str, str], *, benchkit: bool = False) -> Any:
+    """Recreate database `args.db`, migrate it to head (with this process' settings: `set_env`
+    first) and return an autocommit psycopg connection to `env["DATABASE_URL"]`; with `benchkit`,
+    the `benchkit` schema of bench/latency_kinds.py is created in it too."""
+    recreate_database(args.pg_admin, args.db)
+
+    import psycopg
+
+    from bench.latency_kinds import BENCHKIT_DDL
+    from proj.cli import migrate_to_head
+
+    migrate_to_head()
+    pg = psycopg.connect(env["DATABASE_URL"], autocommit=True)
+    if benchkit:
+        pg.execute(BENCHKIT_DDL)
+    return pg
+
+
 @contextlib.contextmanager
 def broker_db(url: str, owner: str) -> Iterator[None]:
     """Own one Redis db for the run (flushed first); refuse if another bench holds it."""
     import redis
 
     r = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 60  # a test elsewhere may be restarting Redis
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    wait_for_redis(r)
     db = int(r.connection_pool.connection_kwargs.get("db", 0))
     deadline = time.monotonic() + 120
     while True:  # a flush would drop the messages of whoever else uses this db (a test run?)
@@ -170,28 +251,29 @@ class Celery:
             self.proc.wait(10)
 
 
+def worker_args(name: str, concurrency: int, loglevel: str) -> list[str]:
+    """The arguments after `celery -A proj` of every bench worker: node `<name>-<our pid>@%h`,
+    `-P prefork -c <concurrency> -O fair`, without mingle and gossip."""
+    return [
+        "worker",
+        "-n",
+        f"{name}-{os.getpid()}@%h",
+        "-P",
+        "prefork",
+        "-c",
+        str(concurrency),
+        "-O",
+        "fair",
+        "--without-mingle",
+        "--without-gossip",
+        "--loglevel",
+        loglevel,
+    ]
+
+
 def worker(name: str, env: dict[str, str], logdir: Path, concurrency: int, loglevel: str = "INFO") -> Celery:
     """`celery -A proj worker` with the same flags as bench/throughput.py (prefork, -O fair)."""
-    return Celery(
-        name,
-        [
-            "worker",
-            "-n",
-            f"{name}-{os.getpid()}@%h",
-            "-P",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-O",
-            "fair",
-            "--without-mingle",
-            "--without-gossip",
-            "--loglevel",
-            loglevel,
-        ],
-        env,
-        logdir,
-    )
+    return Celery(name, worker_args(name, concurrency, loglevel), env, logdir)
 
 
 def beat(name: str, env: dict[str, str], logdir: Path) -> Celery:
@@ -208,6 +290,14 @@ def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: flo
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def print_report(report: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], None]) -> None:
+    """The figures as indented JSON (`--json`), else as the bench's `table`."""
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        table(report)
 
 
 def summary(values: list[float]) -> dict[str, float]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import statistics
@@ -47,20 +46,23 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    PG_ADMIN,
     ROOT,
     VENV_BIN,
     CpuMeter,
+    add_service_args,
     broker_db,
     db_url,
     descendants,
     machine,
     machine_line,
+    print_report,
     recreate_database,
+    service_env,
     service_pids,
     set_env,
     wait_until,
 )
+from bench.throughput import round_result
 
 STEPS = 5
 
@@ -82,12 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="1:0.001,8:0.01,none:1.0",
         help="DBOS configurations to measure, worker_concurrency:polling_interval_sec, comma-separated",
     )
-    p.add_argument("--db", default="proj_bench_vs_dbos", help="our database (dropped and recreated)")
+    add_service_args(
+        p,
+        db="proj_bench_vs_dbos",
+        broker="redis://127.0.0.1:6379/4",
+        db_help="our database (dropped and recreated)",
+    )
     p.add_argument("--dbos-db", default="proj_bench_dbos", help="DBOS system database (recreated)")
-    p.add_argument("--pg-admin", default=PG_ADMIN)
-    p.add_argument("--broker", default="redis://127.0.0.1:6379/4")
     p.add_argument("--timeout", type=float, default=120.0, help="per-round timeout, seconds")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p.parse_args(argv)
 
 
@@ -229,18 +233,7 @@ class DbosSide:
         done = self.succeeded(tag)
         if done != n:
             raise SystemExit(f"{self.name}: {done}/{n} workflows succeeded")
-        return result(n, elapsed, t_sub, cpu)
-
-
-def result(n: int, elapsed: float, t_sub: float, cpu: dict[str, float]) -> dict[str, Any]:
-    return {
-        "seconds": elapsed,
-        "submit_s": t_sub,
-        "runs_per_s": n / elapsed,
-        "steps_per_s": n * STEPS / elapsed,
-        "cpu_ms_per_step": {k: 1000.0 * v / (n * STEPS) for k, v in cpu.items() if "%" not in k},
-        "machine_busy_pct": cpu["machine busy %"],
-    }
+        return round_result(n, elapsed, t_sub, cpu)
 
 
 SERVICE = ("workers", "postgres backends", "postgres aux", "redis-server")
@@ -248,13 +241,8 @@ SERVICE = ("workers", "postgres backends", "postgres aux", "redis-server")
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = {
-        "DATABASE_URL": db_url(args.pg_admin, args.db),
-        "BROKER_URL": args.broker,
-        "ENGINE_EXTRA_KINDS": "bench.kinds",
-        "WORKER_CONCURRENCY": str(args.concurrency),
-    }
-    set_env(env)
+    # as bench/throughput.py: no sweep interval nor periodic settings (defaults)
+    env = set_env(service_env(args, kinds="bench.kinds", sweep_s=None, quiet_periodic=False))
     try:
         import dbos  # noqa: F401
     except ImportError:
@@ -323,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu0 = ours_meter.snapshot()
                 r = bench.run("ours", n)
                 cpu = ours_meter.since(cpu0)
-                return result(n, r["seconds"], r["submit_s"], cpu)
+                return round_result(n, r["seconds"], r["submit_s"], cpu)
 
             freeze_all = [worker.proc.pid, *(p.pid for s in dbos_sides for p in s.procs)]
             sides = {"ours": (run_ours, [worker.proc.pid])}
@@ -404,10 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             n: med[n]["service_cpu_ms_per_step"] / med["ours"]["service_cpu_ms_per_step"] for n in others
         },
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_table(report)
+    print_report(report, args.json, print_table)
     return 0
 
 

@@ -27,15 +27,21 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+from bench.common import (
+    ROOT,
+    VENV_BIN,
+    add_service_args,
+    recreate_database,
+    service_env,
+    set_env,
+    worker_args,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,40 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="unmeasured events before measuring")
     p.add_argument("--concurrency", type=int, default=4, help="prefork worker processes")
     p.add_argument("--beat-interval", type=float, default=1.0, help="outbox beat period, seconds")
-    p.add_argument("--db", default="proj_bench_outbox", help="database (dropped and recreated)")
-    p.add_argument("--pg-admin", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    p.add_argument("--broker", default="redis://127.0.0.1:6379/12")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_service_args(p, db="proj_bench_outbox", broker="redis://127.0.0.1:6379/12")
     return p.parse_args(argv)
 
 
 def configure_env(args: argparse.Namespace) -> dict[str, str]:
     """Settings are read once per process: set them before `proj` is imported (here and children)."""
-    env = {
-        "DATABASE_URL": args.pg_admin.rsplit("/", 1)[0] + "/" + args.db,
-        "BROKER_URL": args.broker,
-        "OUTBOX_BEAT_INTERVAL_S": str(args.beat_interval),
-        "SWEEP_INTERVAL_S": "1.0",
-        "WORKER_CONCURRENCY": str(args.concurrency),
-        "ENGINE_EXTRA_KINDS": "",
-    }
-    os.environ.update(env)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    return env
-
-
-def recreate_database(admin_url: str, name: str) -> None:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-            "AND pid <> pg_backend_pid()",
-            (name,),
-        )
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
+    env = service_env(args, kinds="", quiet_periodic=False, OUTBOX_BEAT_INTERVAL_S=args.beat_interval)
+    return set_env(env)
 
 
 def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -186,25 +166,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
     worker_log, beat_log = tmp / "worker.log", tmp / "beat.log"
-    worker = spawn(
-        [
-            "worker",
-            "-n",
-            f"outbox-bench-{os.getpid()}@%h",
-            "-P",
-            "prefork",
-            "-c",
-            str(args.concurrency),
-            "-O",
-            "fair",
-            "--without-mingle",
-            "--without-gossip",
-            "--loglevel",
-            "INFO",
-        ],
-        env,
-        worker_log,
-    )
+    worker = spawn(worker_args("outbox-bench", args.concurrency, "INFO"), env, worker_log)
     beat = spawn(["beat", "--loglevel", "WARNING", "-s", str(tmp / "beat-schedule")], env, beat_log)
     procs = [("worker", worker, worker_log), ("beat", beat, beat_log)]
     results: dict[str, Any] = {

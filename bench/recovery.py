@@ -23,7 +23,6 @@ p99 ≤ lease + 2 s. DESIGN.md invariant 2 promises `lease_ttl + sweep interval`
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import sys
@@ -34,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    PG_ADMIN,
     RedisWatch,
+    add_service_args,
     broker_db,
-    db_url,
     machine,
     machine_line,
-    recreate_database,
+    prepare_database,
+    print_report,
+    service_env,
     set_env,
     summary,
     wait_until,
@@ -54,28 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15, help="kills (K)")
     p.add_argument("--lease", type=float, default=3.0, help="LEASE_TTL_S")
     p.add_argument("--sweep", type=float, default=0.5, help="SWEEP_INTERVAL_S (beat period)")
-    p.add_argument("--db", default="proj_bench_recovery", help="database (dropped and recreated)")
-    p.add_argument("--pg-admin", default=PG_ADMIN)
-    p.add_argument("--broker", default="redis://127.0.0.1:6379/4")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_service_args(p, db="proj_bench_recovery", broker="redis://127.0.0.1:6379/4")
     return p.parse_args(argv)
 
 
 def configure_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {
-        "DATABASE_URL": db_url(args.pg_admin, args.db),
-        "BROKER_URL": args.broker,
-        "ENGINE_EXTRA_KINDS": "bench.kinds,bench.latency_kinds",
-        "LEASE_TTL_S": str(args.lease),
-        "SWEEP_INTERVAL_S": str(args.sweep),
-        "WORKER_CONCURRENCY": "1",
-        # periodic kinds (qBittorrent reconcile, library verify, purge) stay out of the way
-        "PERIODIC_RECONCILE_S": "86400",
-        "PERIODIC_VERIFY_S": "86400",
-        "PERIODIC_PURGE_S": "86400",
-    }
-    set_env(env)
-    return env
+    return set_env(service_env(args, concurrency=1, sweep_s=args.sweep, LEASE_TTL_S=args.lease))
 
 
 def one_round(pg: Any, workers: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -134,16 +118,7 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random) -> dict[str,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = configure_env(args)
-    recreate_database(args.pg_admin, args.db)
-
-    import psycopg
-
-    from bench.latency_kinds import BENCHKIT_DDL
-    from proj.cli import migrate_to_head
-
-    migrate_to_head()
-    pg = psycopg.connect(env["DATABASE_URL"], autocommit=True)
-    pg.execute(BENCHKIT_DDL)
+    pg = prepare_database(args, env, benchkit=True)
     rng = random.Random(1)
     rounds: list[dict[str, Any]] = []
     logdir = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
@@ -216,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "invariant_s": args.lease + args.sweep,
     }
     report["met"] = report["body_s"]["p99"] <= report["target_p99_s"]
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print_table(report)
+    print_report(report, args.json, print_table)
     return 0
 
 

@@ -45,10 +45,11 @@ from bench.common import (
     PG_ADMIN,
     ROOT,
     broker_db,
-    db_url,
     machine,
     machine_line,
+    print_report,
     recreate_database,
+    service_env,
     set_env,
 )
 from bench.common import beat as start_beat
@@ -86,16 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def side_env(args: argparse.Namespace, side: str) -> dict[str, str]:
-    return {
-        "DATABASE_URL": db_url(args.pg_admin, f"{args.db_prefix}_{side}"),
-        "BROKER_URL": args.broker_empty if side == EMPTY else args.broker_big,
-        "ENGINE_EXTRA_KINDS": "bench.kinds,bench.latency_kinds",
-        "WORKER_CONCURRENCY": str(args.concurrency),
-        "SWEEP_INTERVAL_S": "1.0",
-        "PERIODIC_RECONCILE_S": "86400",
-        "PERIODIC_VERIFY_S": "86400",
-        "PERIODIC_PURGE_S": "86400",
-    }
+    broker = args.broker_empty if side == EMPTY else args.broker_big
+    return service_env(args, db=f"{args.db_prefix}_{side}", broker=broker)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,10 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             p["statement"]: p["seq_scans_on_big_tables"] for p in plans if p["seq_scans_on_big_tables"]
         },
     }
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print_table(report)
+    print_report(report, args.json, print_table)
     return 0
 
 

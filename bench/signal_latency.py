@@ -27,7 +27,6 @@ on the same machine). Phases, in this order:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import sys
@@ -38,13 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    PG_ADMIN,
     RedisWatch,
+    add_service_args,
     broker_db,
-    db_url,
     machine,
     machine_line,
-    recreate_database,
+    prepare_database,
+    print_report,
+    service_env,
     set_env,
     summary,
     wait_until,
@@ -59,26 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parked", type=int, default=1000, help="parked runs on distinct topics (phase 2)")
     p.add_argument("--herd", type=int, default=1000, help="runs parked on one topic (phase 3)")
     p.add_argument("--concurrency", type=int, default=2, help="prefork worker processes")
-    p.add_argument("--db", default="proj_bench_signal", help="database (dropped and recreated)")
-    p.add_argument("--pg-admin", default=PG_ADMIN)
-    p.add_argument("--broker", default="redis://127.0.0.1:6379/6")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    add_service_args(p, db="proj_bench_signal", broker="redis://127.0.0.1:6379/6")
     return p.parse_args(argv)
 
 
 def configure_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {
-        "DATABASE_URL": db_url(args.pg_admin, args.db),
-        "BROKER_URL": args.broker,
-        "ENGINE_EXTRA_KINDS": "bench.kinds,bench.latency_kinds",
-        "WORKER_CONCURRENCY": str(args.concurrency),
-        "SWEEP_INTERVAL_S": "1.0",
-        "PERIODIC_RECONCILE_S": "86400",
-        "PERIODIC_VERIFY_S": "86400",
-        "PERIODIC_PURGE_S": "86400",
-    }
-    set_env(env)
-    return env
+    return set_env(service_env(args))
 
 
 class RedisRestarted(Exception):
@@ -200,16 +186,7 @@ def phase_summary(samples: list[dict[str, float]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = configure_env(args)
-    recreate_database(args.pg_admin, args.db)
-
-    import psycopg
-
-    from bench.latency_kinds import BENCHKIT_DDL
-    from proj.cli import migrate_to_head
-
-    migrate_to_head()
-    pg = psycopg.connect(env["DATABASE_URL"], autocommit=True)
-    pg.execute(BENCHKIT_DDL)
+    pg = prepare_database(args, env, benchkit=True)
     rng = random.Random(2)
     logdir = Path(tempfile.mkdtemp(prefix="bench-signal-"))
     report: dict[str, Any] = {
@@ -297,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     o, m = report["one_parked"], report["many_parked"]
     report["ratio_p50_many_over_one"] = m["after_s"]["p50"] / o["after_s"]["p50"]
     report["ratio_p99_many_over_one"] = m["after_s"]["p99"] / o["after_s"]["p99"]
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print_table(report)
+    print_report(report, args.json, print_table)
     return 0
 
 

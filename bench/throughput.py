@@ -16,7 +16,6 @@ N chains with one producer).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -29,8 +28,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+from bench.common import (
+    CLK_TCK,
+    ROOT,
+    VENV_BIN,
+    add_service_args,
+    print_report,
+    proc_cpu,
+    service_env,
+    set_env,
+    wait_for_redis,
+    worker_args,
+)
+
 POLL_S = 0.05
 LOCK_KEY = "bench:throughput:lock"
 LOCK_TTL_S = 600
@@ -43,11 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=2, help="prefork worker processes")
     p.add_argument("--rounds", type=int, default=2, help="measured rounds of each (alternating)")
     p.add_argument("--warmup", type=int, default=20, help="warm-up runs/chains of each")
-    p.add_argument("--db", default="proj_bench", help="database (created if missing)")
-    p.add_argument("--pg-admin", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    p.add_argument("--broker", default="redis://127.0.0.1:6379/11")
+    add_service_args(
+        p, db="proj_bench", broker="redis://127.0.0.1:6379/11", db_help="database (created if missing)"
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="per-round timeout, seconds")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument(
         "--profile",
         metavar="FILE",
@@ -58,17 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def configure_env(args: argparse.Namespace) -> dict[str, str]:
-    """Settings are read once per process: set them before `proj` is imported (here and worker)."""
-    env = {
-        "DATABASE_URL": args.pg_admin.rsplit("/", 1)[0] + "/" + args.db,
-        "BROKER_URL": args.broker,
-        "ENGINE_EXTRA_KINDS": "bench.kinds",
-        "WORKER_CONCURRENCY": str(args.concurrency),
-    }
-    os.environ.update(env)
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    return env
+    """Settings are read once per process: set them before `proj` is imported (here and worker).
+    Only the engine's own kinds and `bench.kinds`; no sweep interval nor periodic settings (defaults)."""
+    return set_env(service_env(args, kinds="bench.kinds", sweep_s=None, quiet_periodic=False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,24 +92,7 @@ class Worker:
         full_env = {**os.environ, **env}
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [
-                str(VENV_BIN / "celery"),
-                "-A",
-                "proj",
-                "worker",
-                "-n",
-                f"bench-{os.getpid()}@%h",
-                "-P",
-                "prefork",
-                "-c",
-                str(concurrency),
-                "-O",
-                "fair",
-                "--without-mingle",
-                "--without-gossip",
-                "--loglevel",
-                "WARNING",
-            ],
+            [str(VENV_BIN / "celery"), "-A", "proj", *worker_args("bench", concurrency, "WARNING")],
             cwd=ROOT,
             env=full_env,
             stdout=log.open("wb"),
@@ -134,16 +118,7 @@ class Worker:
 
 # --------------------------------------------------------------------------------------------
 # where the CPU goes (Linux /proc): worker main, worker children, Postgres, Redis, this driver
-
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _proc_cpu(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+# (a process' CPU is bench/common.py's `proc_cpu`; the machine's here also counts irq + softirq)
 
 
 def _machine_cpu() -> tuple[float, float, float]:
@@ -197,7 +172,7 @@ class CpuMeter:
     def snapshot(self) -> dict[str, Any]:
         groups = self._groups()
         return {
-            "pids": {g: {p: _proc_cpu(p) for p in pids} for g, pids in groups.items()},
+            "pids": {g: {p: proc_cpu(p) for p in pids} for g, pids in groups.items()},
             "machine": _machine_cpu(),
         }
 
@@ -351,15 +326,19 @@ class Bench:
                 raise SystemExit(f"{side}: only {got}/{n} done after {self.args.timeout}s")
             time.sleep(POLL_S)
         elapsed = time.perf_counter() - t0
-        cpu = self.cpu.since(cpu0)
-        return {
-            "seconds": elapsed,
-            "submit_s": t_sub,
-            "runs_per_s": n / elapsed,
-            "steps_per_s": n * STEPS / elapsed,
-            "cpu_ms_per_step": {k: 1000.0 * v / (n * STEPS) for k, v in cpu.items() if "%" not in k},
-            "machine_busy_pct": cpu["machine busy %"],
-        }
+        return round_result(n, elapsed, t_sub, self.cpu.since(cpu0))
+
+
+def round_result(n: int, elapsed: float, t_sub: float, cpu: dict[str, float]) -> dict[str, Any]:
+    """The figures of one round of `n` runs x `STEPS` steps (also bench/dbos_compare.py's DBOS side)."""
+    return {
+        "seconds": elapsed,
+        "submit_s": t_sub,
+        "runs_per_s": n / elapsed,
+        "steps_per_s": n * STEPS / elapsed,
+        "cpu_ms_per_step": {k: 1000.0 * v / (n * STEPS) for k, v in cpu.items() if "%" not in k},
+        "machine_busy_pct": cpu["machine busy %"],
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,15 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
     migrate_to_head()
     broker = redis.Redis.from_url(args.broker)
-    deadline = time.monotonic() + 60  # a test elsewhere may be restarting Redis
-    while True:
-        try:
-            broker.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    wait_for_redis(broker)
     # One benchmark per Redis db: a second one would flush and consume the first one's messages.
     if not broker.set(LOCK_KEY, os.getpid(), nx=True, ex=LOCK_TTL_S):
         holder = (broker.get(LOCK_KEY) or b"?").decode()
@@ -569,10 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_ratio": service_cpu(median["plain"]) / service_cpu(median["ours"]),
         "noisy": any(median[side]["cpu_ms_per_step"]["other"] > NOISY_OTHER_MS for side in median),
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_table(report)
+    print_report(report, args.json, print_table)
     return 0
 
 
