@@ -11,7 +11,7 @@ import time
 from pydantic import BaseModel
 
 from proj.engine.context import StepContext
-from proj.engine.kind import Kind, RetryPolicy, fan_out, group, register, step
+from proj.engine.kind import Kind, RetryPolicy, fan_out, group, register, step, wait_for
 from tests.kinds import finish, record
 
 
@@ -128,6 +128,23 @@ RANKED_GROUP = register(
         retry=FAST_RETRY,
         input_model=HoldInput,
         canvas=(group(step("first", hold), step("beside", hold)), step("second", lambda ctx: {"done": True})),
+    )
+)
+
+# A first stage that waits (like `acquire`, which waits for its approval): the check passes at
+# once, so the wait steps' claim order is the order the `after` steps are published in.
+RANKED_WAIT = register(
+    Kind(
+        name="ranked_wait",
+        version=1,
+        retry=FAST_RETRY,
+        input_model=HoldInput,
+        canvas=(
+            wait_for(
+                "ready", topic=lambda ctx: f"ranked_wait:{ctx.run_id}", timeout_s=60, check=lambda ctx: True
+            ),
+            step("first", hold),
+        ),
     )
 )
 

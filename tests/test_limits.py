@@ -227,11 +227,14 @@ def test_priority_orders_the_start_of_queued_runs_without_limits(engine) -> None
     assert scalar("SELECT count(*) FROM testkit.execution") == len(refs), "each first step ran once"
 
 
-@pytest.mark.parametrize("kind", ["ranked_group", "ranked_fan"])
-def test_priority_orders_the_start_of_runs_whose_first_stage_has_several_steps(engine, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["ranked_group", "ranked_fan", "ranked_wait"])
+def test_priority_orders_the_start_of_runs_whose_first_stage_is_a_group_a_fan_out_or_a_wait(
+    engine, kind: str
+) -> None:
     """A first stage that is a group or a fan-out: only its item 0 is sent at enqueue, and it
     starts runs in priority order; the other rows go out when their run starts, so none of them
-    starts a lower-priority run early. No sweeper, so all finishing shows no message was lost."""
+    starts a lower-priority run early. A first stage that waits starts in priority order too.
+    No sweeper, so all finishing shows no message was lost."""
     priorities = [1, 5, 3, 9, 0, 7, 5, -2, 3, 8]
     refs = [engine.enqueue(kind, {"hold_s": 0.02}, idempotency_key=new_key(), priority=p) for p in priorities]
     engine.start(roles=("worker",), concurrency=1)
@@ -245,7 +248,7 @@ def test_priority_orders_the_start_of_runs_whose_first_stage_has_several_steps(e
     started = [r[1] for r in first_touch]
     assert started == sorted(priorities, reverse=True), f"start order by priority: {started}"
     assert [r[0] for r in first_touch if r[1] == 5] == [refs[1].task_run_id, refs[6].task_run_id]
-    per_run = 2 if kind == "ranked_group" else 3  # group(first, beside); fan-out over 3 items
+    per_run = {"ranked_group": 2, "ranked_fan": 3, "ranked_wait": 1}[kind]  # bodies that record
     assert scalar("SELECT count(*) FROM testkit.execution") == per_run * len(refs), "each row ran once"
 
 

@@ -209,13 +209,13 @@ class Kind:
         That is the first step (item 0) of the first stage, on a kind without limits: its
         messages are interchangeable between the kind's pending runs (same task, same queue).
         When the first stage has more rows (a group, a fan-out), the rest are held back until
-        item 0 is claimed (`holds_start_siblings`). Limited kinds order their starts in the
-        admission line instead (`protocol._admit`); a first step that waits is not reordered.
+        item 0 is claimed (`holds_start_siblings`). A first step that waits (`acquire` waits
+        for its approval) is a start step too: which run parks first is ordered the same way.
+        Limited kinds order their starts in the admission line instead (`protocol._admit`).
         """
-        first = self.canvas[0]
-        if self.has_limits or first.steps[0].wait is not None:
+        if self.has_limits:
             return None
-        return first.steps[0].name
+        return self.canvas[0].steps[0].name
 
     @property
     def holds_start_siblings(self) -> bool:
