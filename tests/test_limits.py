@@ -343,3 +343,53 @@ def test_global_and_key_limits_together(inproc) -> None:
     assert max_overlap([(r[1], r[2]) for r in rows]) <= 3
     for k in keys:
         assert max_overlap([(r[1], r[2]) for r in rows if r[0] == k]) == 1
+
+
+@pytest.mark.parametrize("analyzed", [False, True])
+def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
+    """The start claim's search for a better run is an index range (`task_run_start_idx`:
+    kind, version, priority above mine), never a walk over the kind's runs. Checked on the
+    generic plan a driver's prepared statement gets, with 2,000 finished runs of the kind and
+    with stale (never analyzed) or fresh statistics: an earlier form scanned every run of the
+    kind per claim when statistics were stale, which made starts O(runs) under a backlog."""
+    import re
+
+    import psycopg
+
+    from proj.engine import protocol
+    from tests.support.services import pg_url
+
+    ref = runs.enqueue("ranked", {"hold_s": 0}, idempotency_key=new_key(), priority=1)
+    sql(
+        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
+        "SELECT gen_random_uuid(), 'ranked', 1, 'done-' || g, '{}', 'h', 'succeeded' "
+        "FROM generate_series(1, 2000) g"
+    )
+    if analyzed:
+        sql("ANALYZE engine.task_run, engine.step")
+    step_id = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
+    names: list[str] = []
+
+    def bind(m: re.Match[str]) -> str:
+        names.append(m.group(1)) if m.group(1) not in names else None
+        return f"${names.index(m.group(1)) + 1}"
+
+    body = re.sub(r"(?<!:):(\w+)", bind, protocol._CLAIM_START.text)
+    assert names == ["id", "tok", "owner", "ttl"]
+    with psycopg.connect(pg_url()) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute("PREPARE start_claim (bigint, uuid, text, float8) AS " + body)
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE start_claim({step_id}, gen_random_uuid(), 'w', 3.0)"
+            )
+        )
+        conn.rollback()
+    better = plan[plan.index("CTE better") : plan.index("CTE claimed")]
+    assert re.search(
+        r"Index Scan using task_run_start_idx on task_run r2 [^\n]*\n\s+Index Cond: "
+        r"\(\(kind = \$\d+\) AND \(version = \$\d+\) AND \(priority > \$\d+\)\)",
+        better,
+    ), plan
+    assert "task_run_kind_key" not in better, plan

@@ -86,18 +86,25 @@ _CLAIM = text("WITH" + _CLAIM_BODY.format(target=":id"))
 # own step is taken already (it was claimed by such a swap, or it is a duplicate) starts the best
 # pending run in its place, so the swapped-out run loses no message. Equal priorities keep the
 # broker's FIFO order and cost one probe of `task_run_start_idx` that finds nothing.
+# `me` is materialized and read through scalar subqueries so that kind, version and the priority
+# bound reach `task_run_start_idx` as index conditions even in the generic plan of a prepared
+# statement (psycopg prepares after 5 runs); joined instead, they were a filter over every run of
+# the kind, finished ones included (`tests/test_limits.py::test_a_start_claim_probes_only_…`).
 _CLAIM_START = text(
     """
-    WITH me AS (
-        SELECT s.status = 'pending' AS open, r.status = 'pending' AS fresh, r.kind, r.version, r.priority
+    WITH me AS MATERIALIZED (
+        SELECT r.kind, r.version,
+               CASE WHEN s.status <> 'pending' THEN -2147483648  -- taken: any pending run
+                    WHEN r.status = 'pending' THEN r.priority      -- mine: only a better one
+                    ELSE 2147483647 END AS above                   -- a started run: none
           FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
          WHERE s.id = :id AND s.stage = 0 AND s.item_index = 0
     ), better AS (
         SELECT s2.id
-          FROM me
-          JOIN engine.task_run r2 ON r2.kind = me.kind AND r2.version = me.version AND r2.status = 'pending'
+          FROM engine.task_run r2
           JOIN engine.step s2 ON s2.run_id = r2.id AND s2.stage = 0 AND s2.item_index = 0
-         WHERE (NOT me.open OR (me.fresh AND r2.priority > me.priority))
+         WHERE r2.kind = (SELECT kind FROM me) AND r2.version = (SELECT version FROM me)
+           AND r2.status = 'pending' AND r2.priority > (SELECT above FROM me)
            AND r2.cancel_requested_at IS NULL
            AND s2.status = 'pending' AND s2.next_attempt_at <= now()
          ORDER BY r2.priority DESC, r2.created_at, r2.id
