@@ -345,6 +345,63 @@ def test_global_and_key_limits_together(inproc) -> None:
         assert max_overlap([(r[1], r[2]) for r in rows if r[0] == k]) == 1
 
 
+def _generic_plan(statement: Any, values: dict[str, str], types: dict[str, str]) -> str:
+    """EXPLAIN ANALYZE of the plan a prepared statement gets once the driver has prepared it
+    (psycopg does after 5 runs), rolled back. `values` are SQL literals per bind name."""
+    import re
+
+    import psycopg
+
+    from tests.support.services import pg_url
+
+    names: list[str] = []
+
+    def bind(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    body = re.sub(r"(?<!:):(\w+)", bind, statement.text)
+    with psycopg.connect(pg_url()) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(f"PREPARE probe ({', '.join(types[n] for n in names)}) AS " + body)
+        rows = conn.execute(
+            f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE probe({', '.join(values[n] for n in names)})"
+        )
+        plan = "\n".join(r[0] for r in rows)
+        conn.rollback()
+    return plan
+
+
+CLAIM_TYPES = {"id": "bigint", "tok": "uuid", "owner": "text", "ttl": "float8"}
+
+
+def test_a_claim_reads_its_step_by_primary_key_under_a_backlog() -> None:
+    """Statistics taken when nothing was pending, then a backlog of 1,500 pending steps: a claim
+    still reads its step by primary key, not by scanning the partial index of pending steps."""
+    from proj.engine import protocol
+
+    sql(
+        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
+        "SELECT gen_random_uuid(), 'ranked', 1, 'done-' || g, '{}', 'h', 'succeeded' "
+        "FROM generate_series(1, 3000) g"
+    )
+    sql(
+        "INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, status) "
+        "SELECT id, 0, 'first', 0, 3, 'succeeded' FROM engine.task_run"
+    )
+    sql("ANALYZE engine.task_run, engine.step")
+    from proj import db
+
+    with db.transaction() as s:
+        for _ in range(1500):
+            runs.insert_run(s, "ranked", {"hold_s": 0}, idempotency_key=new_key())
+    step_id = scalar("SELECT max(id) FROM engine.step WHERE status = 'pending'")
+    values = {"id": str(step_id), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
+    plan = _generic_plan(protocol._CLAIM, values, CLAIM_TYPES)
+    assert "Index Scan using step_pkey on step s" in plan and "step_due_idx" not in plan, plan
+
+
 @pytest.mark.parametrize("analyzed", [False, True])
 def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
     """The start claim's search for a better run is an index range (`task_run_start_idx`:
@@ -354,10 +411,7 @@ def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
     kind per claim when statistics were stale, which made starts O(runs) under a backlog."""
     import re
 
-    import psycopg
-
     from proj.engine import protocol
-    from tests.support.services import pg_url
 
     ref = runs.enqueue("ranked", {"hold_s": 0}, idempotency_key=new_key(), priority=1)
     sql(
@@ -368,24 +422,8 @@ def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
     if analyzed:
         sql("ANALYZE engine.task_run, engine.step")
     step_id = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
-    names: list[str] = []
-
-    def bind(m: re.Match[str]) -> str:
-        names.append(m.group(1)) if m.group(1) not in names else None
-        return f"${names.index(m.group(1)) + 1}"
-
-    body = re.sub(r"(?<!:):(\w+)", bind, protocol._CLAIM_START.text)
-    assert names == ["id", "tok", "owner", "ttl"]
-    with psycopg.connect(pg_url()) as conn:
-        conn.execute("SET plan_cache_mode = force_generic_plan")
-        conn.execute("PREPARE start_claim (bigint, uuid, text, float8) AS " + body)
-        plan = "\n".join(
-            r[0]
-            for r in conn.execute(
-                f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE start_claim({step_id}, gen_random_uuid(), 'w', 3.0)"
-            )
-        )
-        conn.rollback()
+    values = {"id": str(step_id), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
+    plan = _generic_plan(protocol._CLAIM_START, values, CLAIM_TYPES)
     better = plan[plan.index("CTE better") : plan.index("CTE claimed")]
     assert re.search(
         r"Index Scan using task_run_start_idx on task_run r2 [^\n]*\n\s+Index Cond: "

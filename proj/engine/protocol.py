@@ -53,6 +53,10 @@ TERMINAL = ("succeeded", "failed", "canceled")
 
 # The claim is one statement: it takes the lease, marks the run started and opens the attempt
 # record (same lock order as before: the step row, then the run row).
+# `(… ) IS TRUE` around the step's state keeps the planner on the primary key: a plain
+# `status = 'pending'` lets it pick the partial `step_due_idx` and filter it by id, which
+# statistics taken before a backlog built up make look cheap, and which is O(backlog) per claim
+# (`tests/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
 _CLAIM_BODY = """
     claimed AS (
         UPDATE engine.step s
@@ -62,7 +66,7 @@ _CLAIM_BODY = """
                blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
           FROM engine.task_run r
          WHERE s.id = {target} AND r.id = s.run_id
-           AND s.status = 'pending' AND s.next_attempt_at <= now()
+           AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
            AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
@@ -106,7 +110,7 @@ _CLAIM_START = text(
          WHERE r2.kind = (SELECT kind FROM me) AND r2.version = (SELECT version FROM me)
            AND r2.status = 'pending' AND r2.priority > (SELECT above FROM me)
            AND r2.cancel_requested_at IS NULL
-           AND s2.status = 'pending' AND s2.next_attempt_at <= now()
+           AND (s2.status = 'pending' AND s2.next_attempt_at <= now()) IS TRUE
          ORDER BY r2.priority DESC, r2.created_at, r2.id
          LIMIT 1
            FOR UPDATE OF s2 SKIP LOCKED
