@@ -400,6 +400,8 @@ def test_a_claim_reads_its_step_by_primary_key_under_a_backlog() -> None:
     values = {"id": str(step_id), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
     plan = _generic_plan(protocol._CLAIM, values, CLAIM_TYPES)
     assert "Index Scan using step_pkey on step s" in plan and "step_due_idx" not in plan, plan
+    slot = _generic_plan(protocol._SLOT_OF, {"id": str(step_id)}, {"id": "bigint"})  # limited kinds
+    assert "Index Scan using step_pkey on step s" in slot and "step_due_idx" not in slot, slot
 
 
 @pytest.mark.parametrize("analyzed", [False, True])

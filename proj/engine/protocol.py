@@ -270,7 +270,7 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
 
 _START_SIBLINGS = text(
     "UPDATE engine.step SET published_at = now() "
-    "WHERE run_id = :run AND stage = 0 AND item_index > 0 AND status = 'pending' "
+    "WHERE run_id = :run AND stage = 0 AND item_index > 0 AND (status = 'pending') IS TRUE "
     "RETURNING id, name"
 )
 
@@ -343,7 +343,7 @@ _SLOT_OF = text(
     """
     SELECT r.id AS run_id, r.kind, r.version, r.concurrency_key, r.priority, r.created_at
       FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
-     WHERE s.id = :id AND s.status = 'pending' AND s.next_attempt_at <= now()
+     WHERE s.id = :id AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE  -- by pkey
        AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
     """
 )
@@ -427,7 +427,7 @@ def _deny(s: Session, step_id: int, denial: Denial) -> list[Dispatch]:
     s.execute(
         text(
             "UPDATE engine.step SET blocked_reason = :reason, blocked_on = :scope, blocked_at = now(),"
-            " published_at = now() WHERE id = :id AND status = 'pending'"
+            " published_at = now() WHERE id = :id AND (status = 'pending') IS TRUE"
         ),
         {"reason": denial.gate.reason(denial.held), "scope": denial.gate.scope, "id": step_id},
     )
@@ -443,7 +443,7 @@ def _wake(s: Session, rows: list[Any]) -> list[Dispatch]:
         s.scalars(
             text(
                 "UPDATE engine.step SET published_at = now() WHERE id IN (SELECT id FROM engine.step "
-                "WHERE id = ANY(:ids) AND status = 'pending' FOR UPDATE SKIP LOCKED) RETURNING id"
+                "WHERE id = ANY(:ids) AND (status = 'pending') IS TRUE FOR UPDATE SKIP LOCKED) RETURNING id"
             ),
             {"ids": [r.id for r in rows]},
         ).all()
