@@ -173,8 +173,14 @@ def test_an_outbox_event_carries_the_business_trace_to_its_run(inproc, spans) ->
         event_id = outbox.add(s, "fan", new_key(), {"items": 2})
     stored = scalar("SELECT trace FROM outbox.outbox_event WHERE id = %s", (event_id,))
     assert stored and "traceparent" in stored, stored
-    outbox.dispatch(db.sessions(), inproc)  # outside the request span, as beat would be
-    run_id = scalar("SELECT run_ref FROM outbox.outbox_event WHERE id = %s", (event_id,))
+    # Outside the request span, as beat would be. The post-commit nudge may have the worker
+    # dispatch it first (this call then skips the locked row): wait for whichever committed.
+    outbox.dispatch(db.sessions(), inproc)
+    run_id = wait_for(
+        lambda: scalar("SELECT run_ref FROM outbox.outbox_event WHERE id = %s", (event_id,)),
+        10,
+        what="the event to be dispatched",
+    )
     wait_for(lambda: _status(run_id) == "succeeded", 30, what="run to finish")
     wait_for(lambda: _named(list(spans.get_finished_spans()), "run fan"), 10, what="the run span")
 
