@@ -376,29 +376,37 @@ def _generic_plan(statement: Any, values: dict[str, str], types: dict[str, str])
 CLAIM_TYPES = {"id": "bigint", "tok": "uuid", "owner": "text", "ttl": "float8"}
 
 
+def _claim_values(step_id: int) -> dict[str, str]:
+    return {"id": str(step_id), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
+
+
+def _finished_runs(kind: str, n: int) -> None:
+    """`n` succeeded runs of `kind`, inserted directly (history the claims must not walk)."""
+    sql(
+        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
+        "SELECT gen_random_uuid(), %s, 1, 'done-' || g, '{}', 'h', 'succeeded' "
+        "FROM generate_series(1, %s) g",
+        (kind, n),
+    )
+
+
 def test_a_claim_reads_its_step_by_primary_key_under_a_backlog() -> None:
     """Statistics taken when nothing was pending, then a backlog of 1,500 pending steps: a claim
     still reads its step by primary key, not by scanning the partial index of pending steps."""
+    from proj import db
     from proj.engine import protocol
 
-    sql(
-        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
-        "SELECT gen_random_uuid(), 'ranked', 1, 'done-' || g, '{}', 'h', 'succeeded' "
-        "FROM generate_series(1, 3000) g"
-    )
+    _finished_runs("ranked", 3000)
     sql(
         "INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, status) "
         "SELECT id, 0, 'first', 0, 3, 'succeeded' FROM engine.task_run"
     )
     sql("ANALYZE engine.task_run, engine.step")
-    from proj import db
-
     with db.transaction() as s:
         for _ in range(1500):
             runs.insert_run(s, "ranked", {"hold_s": 0}, idempotency_key=new_key())
     step_id = scalar("SELECT max(id) FROM engine.step WHERE status = 'pending'")
-    values = {"id": str(step_id), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
-    plan = _generic_plan(protocol._CLAIM, values, CLAIM_TYPES)
+    plan = _generic_plan(protocol._CLAIM, _claim_values(step_id), CLAIM_TYPES)
     assert "Index Scan using step_pkey on step s" in plan and "step_due_idx" not in plan, plan
     slot = _generic_plan(protocol._SLOT_OF, {"id": str(step_id)}, {"id": "bigint"})  # limited kinds
     assert "Index Scan using step_pkey on step s" in slot and "step_due_idx" not in slot, slot
@@ -416,16 +424,11 @@ def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
     from proj.engine import protocol
 
     ref = runs.enqueue("ranked", {"hold_s": 0}, idempotency_key=new_key(), priority=1)
-    sql(
-        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
-        "SELECT gen_random_uuid(), 'ranked', 1, 'done-' || g, '{}', 'h', 'succeeded' "
-        "FROM generate_series(1, 2000) g"
-    )
+    _finished_runs("ranked", 2000)
     if analyzed:
         sql("ANALYZE engine.task_run, engine.step")
     step_id = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
-    values = {"id": str(step_id), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
-    plan = _generic_plan(protocol._CLAIM_START, values, CLAIM_TYPES)
+    plan = _generic_plan(protocol._CLAIM_START, _claim_values(step_id), CLAIM_TYPES)
     better = plan[plan.index("CTE better") : plan.index("CTE claimed")]
     assert re.search(
         r"Index Scan using task_run_start_idx on task_run r2 [^\n]*\n\s+Index Cond: "

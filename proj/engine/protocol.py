@@ -279,11 +279,10 @@ def _release_start_siblings(conn: Any, row: Any) -> list[Dispatch]:
     """The run just claimed by its start step: send the rest of its first stage, held back at
     enqueue so that they could not start a run out of priority order (`Kind.holds_start_siblings`).
     If this process dies before publishing, the sweeper re-sends them (`republish_after_s`)."""
-    kind = get_kind(row.kind, row.version)
-    if not kind.holds_start_siblings:
+    if not get_kind(row.kind, row.version).holds_start_siblings:
         return []
     rows = conn.execute(_START_SIBLINGS, {"run": row.run_id}).all()
-    return [Dispatch(r.id, kind.task_name(r.name), kind.queue, row.priority) for r in rows]
+    return [dispatch.step_dispatch(r.id, row.kind, row.version, r.name, row.priority) for r in rows]
 
 
 # --------------------------------------------------------------------------------------------
