@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, exc
+from sqlalchemy import Connection, Engine, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
 
 from proj.settings import get_settings
@@ -79,6 +79,18 @@ def transaction() -> Iterator[Session]:
     """A session in one transaction: commit on success, rollback on error."""
     with sessions().begin() as session:
         yield session
+
+
+@contextmanager
+def autocommit() -> Iterator[Connection]:
+    """A pooled connection on which every statement commits by itself.
+
+    For a statement that is atomic on its own (a claim, a one-statement commit): it then needs
+    no BEGIN and COMMIT round trips.
+    """
+    with get_engine().connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        yield conn
 
 
 def reset_after_fork() -> None:

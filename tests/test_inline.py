@@ -9,6 +9,7 @@ slow step s3 is reached inline).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -89,3 +90,99 @@ def test_limited_kinds_and_fan_outs_go_back_to_the_broker(published) -> None:
     protocol.execute(_first_step(fan.task_run_id), starts_run=True)
 
     assert sorted(d.task_name for d in published) == ["fan.v1.each"] * 3 + ["keyed.v1.second"]
+
+
+@pytest.fixture
+def sent_sql() -> Iterator[dict[str, list[str]]]:
+    """What this process' engine sends to Postgres: statements, and COMMITs of transactions."""
+    from sqlalchemy import event
+
+    from proj import db
+
+    seen: dict[str, list[str]] = {"statements": [], "commits": []}
+
+    def on_execute(conn, cursor, statement, params, context, executemany) -> None:
+        seen["statements"].append(statement)
+
+    def on_commit(conn) -> None:
+        seen["commits"].append("COMMIT")
+
+    engine = db.get_engine()
+    event.listen(engine, "before_cursor_execute", on_execute)
+    event.listen(engine, "commit", on_commit)
+    yield seen
+    event.remove(engine, "before_cursor_execute", on_execute)
+    event.remove(engine, "commit", on_commit)
+
+
+def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> None:
+    """The claim and each commit are single statements in autocommit: no BEGIN/COMMIT round
+    trips, no second statement to advance the run (`protocol._commit_alone`)."""
+    ref = runs.enqueue("probe", {"n": 4}, idempotency_key=new_key())
+    sent_sql["statements"].clear()
+    sent_sql["commits"].clear()
+
+    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+
+    engine_sql = [q for q in sent_sql["statements"] if "testkit." not in q]
+    assert len(engine_sql) == 6, engine_sql  # the claim, then one commit per step
+    # The probe body records itself in two transactions of its own (testkit.execution).
+    assert len(sent_sql["commits"]) == 2 * 5, "the engine committed no transaction of its own"
+    run = sql("SELECT status, result FROM engine.task_run WHERE id = %s", (ref.task_run_id,))[0]
+    last = scalar("SELECT result FROM engine.step WHERE run_id = %s AND name = 's5'", (ref.task_run_id,))
+    assert run == ("succeeded", last) and last["step"] == "s5" and last["n"] == 4
+    assert sql(
+        "SELECT count(*), count(*) FILTER (WHERE outcome = 'succeeded' AND ended_at IS NOT NULL) "
+        "FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id WHERE s.run_id = %s",
+        (ref.task_run_id,),
+    ) == [(5, 5)]
+
+
+def _before_the_commit(monkeypatch, act) -> None:
+    """Run `act(claim)` between a step's body and its one-statement commit."""
+    real = protocol._commit_alone
+
+    def commit(c, kind, payload, carry):
+        act(c)
+        return real(c, kind, payload, carry)
+
+    monkeypatch.setattr(protocol, "_commit_alone", commit)
+
+
+def test_a_cancel_asked_during_a_step_stops_the_chain_at_its_commit(published, monkeypatch) -> None:
+    """The one-statement commit advances only a run that nobody asked to cancel; otherwise it
+    writes nothing and the general commit finishes the cancel."""
+    ref = runs.enqueue("probe", {}, idempotency_key=new_key())
+    published.clear()
+    _before_the_commit(monkeypatch, lambda c: c.name == "s2" and runs.cancel(c.run_id, "test"))
+
+    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+
+    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "canceled"
+    assert [(r[0], r[1]) for r in _steps(ref.task_run_id)] == [("s1", "succeeded"), ("s2", "succeeded")]
+    assert published == []
+
+
+def test_a_step_whose_lease_moved_on_commits_nothing(published, monkeypatch) -> None:
+    """The fence holds in the one-statement commit: another attempt owns the step now (the
+    sweeper re-claimed it), so this attempt's result, and the next step, are refused."""
+    ref = runs.enqueue("probe", {}, idempotency_key=new_key())
+
+    def steal(c) -> None:
+        if c.name == "s2":
+            sql("UPDATE engine.step SET lease_token = gen_random_uuid() WHERE id = %s", (c.step_id,))
+
+    _before_the_commit(monkeypatch, steal)
+
+    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "lease_lost"
+
+    assert [(r[0], r[1]) for r in _steps(ref.task_run_id)] == [("s1", "succeeded"), ("s2", "running")]
+    assert (
+        scalar(
+            "SELECT outcome FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+            "WHERE s.run_id = %s AND s.name = 's2'",
+            (ref.task_run_id,),
+        )
+        is None
+    ), "the stolen attempt was not closed as a success"
+    assert scalar("SELECT current_stage FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == 1

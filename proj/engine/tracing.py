@@ -167,23 +167,25 @@ def run_finished(s: Session, run: Any, status: str, finished_at: datetime | None
 
     `run` needs id, kind, version, trace and created_at. Nothing happens on rollback.
     """
+    if run.trace:  # tracing was off at enqueue: there is no trace to join
+        event.listen(s, "after_commit", lambda _s: run_span(run, status, finished_at), once=True)
+
+
+def run_span(run: Any, status: str, finished_at: datetime | None) -> None:
+    """Emit the `run <kind>` span now: the run's end is committed already."""
     if not run.trace:
-        return  # tracing was off at enqueue: there is no trace to join
-
-    def emit(_session: Session) -> None:
-        try:
-            ctx = propagate.extract(dict(run.trace))
-            span = tracer().start_span(
-                f"run {run.kind}",
-                context=ctx,
-                kind=SpanKind.INTERNAL,
-                attributes={**_attrs(run.kind, run.version, run.id), "engine.outcome": status},
-                start_time=_nanos(run.created_at),
-            )
-            if status != "succeeded":
-                span.set_status(Status(StatusCode.ERROR, status))
-            span.end(end_time=_nanos(finished_at))
-        except Exception as exc:  # telemetry never breaks the engine
-            log.debug("run span failed: %s", exc)
-
-    event.listen(s, "after_commit", emit, once=True)
+        return
+    try:
+        ctx = propagate.extract(dict(run.trace))
+        span = tracer().start_span(
+            f"run {run.kind}",
+            context=ctx,
+            kind=SpanKind.INTERNAL,
+            attributes={**_attrs(run.kind, run.version, run.id), "engine.outcome": status},
+            start_time=_nanos(run.created_at),
+        )
+        if status != "succeeded":
+            span.set_status(Status(StatusCode.ERROR, status))
+        span.end(end_time=_nanos(finished_at))
+    except Exception as exc:  # telemetry never breaks the engine
+        log.debug("run span failed: %s", exc)
