@@ -218,3 +218,26 @@ def test_finish_commits_business_writes_and_the_result_together(procs) -> None:
     result = scalar("SELECT result FROM engine.step WHERE run_id = %s AND name = 'write'", (ref.task_run_id,))
     assert rows == [(result["pid"],)]
     assert len(_executions(ref.task_run_id, "write")) == 2
+
+
+def test_an_autocommit_connection_killed_mid_use_is_not_pooled_again() -> None:
+    """The engine's hot statements use the pooled connection through psycopg directly
+    (`db.autocommit`); a connection whose backend died under a statement must be thrown away,
+    not handed to the next claim (pooled connections used a moment ago are not pinged)."""
+    import psycopg
+    import pytest
+    from sqlalchemy import text
+
+    from proj import db
+
+    select_pid = text("SELECT pg_backend_pid() AS pid")
+    pool = db.get_engine().pool
+    in_use = pool.checkedout()
+    with pytest.raises(psycopg.OperationalError), db.autocommit() as conn:
+        pid = conn.first(select_pid, {}).pid
+        sql("SELECT pg_terminate_backend(%s)", (pid,))
+        conn.first(select_pid, {})
+    assert pool.checkedout() == in_use, "the dead connection was neither returned nor discarded"
+    for _ in range(pool.size() + 2):
+        with db.autocommit() as conn:
+            assert conn.first(select_pid, {}).pid != pid

@@ -9,7 +9,6 @@ slow step s3 is reached inline).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -93,36 +92,36 @@ def test_limited_kinds_and_fan_outs_go_back_to_the_broker(published) -> None:
 
 
 @pytest.fixture
-def sent_sql() -> Iterator[dict[str, list[str]]]:
-    """What this process' engine sends to Postgres: statements, and COMMITs of transactions."""
-    from sqlalchemy import event
-
-    from proj import db
+def sent_sql(monkeypatch) -> dict[str, list[str]]:
+    """What this process sends to Postgres through psycopg (SQLAlchemy's statements included):
+    statements, and COMMITs of transactions."""
+    import psycopg
 
     seen: dict[str, list[str]] = {"statements": [], "commits": []}
+    execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
 
-    def on_execute(conn, cursor, statement, params, context, executemany) -> None:
-        seen["statements"].append(statement)
+    def recording_execute(self, query, *args, **kwargs):
+        seen["statements"].append(str(query))
+        return execute(self, query, *args, **kwargs)
 
-    def on_commit(conn) -> None:
+    def recording_commit(self):
         seen["commits"].append("COMMIT")
+        return commit(self)
 
-    engine = db.get_engine()
-    event.listen(engine, "before_cursor_execute", on_execute)
-    event.listen(engine, "commit", on_commit)
-    yield seen
-    event.remove(engine, "before_cursor_execute", on_execute)
-    event.remove(engine, "commit", on_commit)
+    monkeypatch.setattr(psycopg.Cursor, "execute", recording_execute)
+    monkeypatch.setattr(psycopg.Connection, "commit", recording_commit)
+    return seen
 
 
 def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> None:
     """The claim and each commit are single statements in autocommit: no BEGIN/COMMIT round
     trips, no second statement to advance the run (`protocol._commit_alone`)."""
     ref = runs.enqueue("probe", {"n": 4}, idempotency_key=new_key())
+    first = _first_step(ref.task_run_id)
     sent_sql["statements"].clear()
     sent_sql["commits"].clear()
 
-    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+    assert protocol.execute(first, starts_run=True) == "succeeded"
 
     engine_sql = [q for q in sent_sql["statements"] if "testkit." not in q]
     assert len(engine_sql) == 6, engine_sql  # the claim, then one commit per step

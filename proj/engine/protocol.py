@@ -229,7 +229,7 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
         # Nothing to admit: the claim is a single statement, atomic on its own, so it runs in
         # autocommit and saves the BEGIN and COMMIT round trips.
         with db.autocommit() as conn:
-            row = conn.execute(_CLAIM_START if starts_run else _CLAIM, params).first()
+            row = conn.first(_CLAIM_START if starts_run else _CLAIM, params)
             if row is None:
                 return None, []
             if starts_run and row.stage == 0 and row.item_index == 0:
@@ -274,13 +274,13 @@ _START_SIBLINGS = text(
 )
 
 
-def _release_start_siblings(conn: Any, row: Any) -> list[Dispatch]:
+def _release_start_siblings(conn: db.Autocommit, row: Any) -> list[Dispatch]:
     """The run just claimed by its start step: send the rest of its first stage, held back at
     enqueue so that they could not start a run out of priority order (`Kind.holds_start_siblings`).
     If this process dies before publishing, the sweeper re-sends them (`republish_after_s`)."""
     if not get_kind(row.kind, row.version).holds_start_siblings:
         return []
-    rows = conn.execute(_START_SIBLINGS, {"run": row.run_id}).all()
+    rows = conn.all(_START_SIBLINGS, {"run": row.run_id})
     return [dispatch.step_dispatch(r.id, row.kind, row.version, r.name, row.priority) for r in rows]
 
 
@@ -880,7 +880,7 @@ def _commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> li
     following = c.stage + 1
     if following == len(kind.canvas):
         with db.autocommit() as conn:
-            run = conn.execute(_SUCCEED_AND_FINISH, {**params, "end_stage": following}).first()
+            run = conn.first(_SUCCEED_AND_FINISH, {**params, "end_stage": following})
         if run is None:
             return None
         tracing.run_span(run, "succeeded", run.finished_at)
@@ -890,7 +890,7 @@ def _commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> li
         return None
     params |= _next_params(carry, kind, following)
     with db.autocommit() as conn:
-        row = conn.execute(_SUCCEED_AND_CLAIM_NEXT, params).first()
+        row = conn.first(_SUCCEED_AND_CLAIM_NEXT, params)
     if row is None:
         return None
     if row.next_id is not None:
