@@ -62,7 +62,7 @@ from bench.common import (
     set_env,
     wait_until,
 )
-from bench.throughput import round_result
+from bench.throughput import held, round_result
 
 STEPS = 5
 
@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dbos-db", default="proj_bench_dbos", help="DBOS system database (recreated)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-round timeout, seconds")
+    p.add_argument(
+        "--submit-frozen",
+        action="store_true",
+        help="freeze each side's workers while its runs are submitted and start the clock when they "
+        "thaw: the throughput of execution alone (by default submission is timed too)",
+    )
     return p.parse_args(argv)
 
 
@@ -219,8 +225,11 @@ class DbosSide:
         tag = uuid.uuid4().hex
         cpu0 = meter.snapshot()
         t0 = time.perf_counter()
-        self.submit(n, tag)
+        with held([p.pid for p in self.procs] if self.args.submit_frozen else []):
+            self.submit(n, tag)
         t_sub = time.perf_counter() - t0
+        if self.args.submit_frozen:
+            t0 = time.perf_counter()  # execution alone: the clock starts when the workers thaw
         deadline = t0 + timeout
         while self.in_flight() > 0:
             if time.perf_counter() > deadline:
@@ -288,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             for side in dbos_sides:
                 wait_until(side.ready, 120, f"{side.name} to launch")
             bench = Bench(argparse.Namespace(broker=args.broker, timeout=max(args.timeout, 90.0)), worker)
+            if args.submit_frozen:
+                bench.hold_pids = [worker.proc.pid]
             ours_meter = CpuMeter(
                 lambda: {
                     "workers": descendants(worker.proc.pid),
@@ -371,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             "steps_per_run": STEPS,
             "rounds": args.rounds,
             "warmup": args.warmup,
+            "timed": "execution alone (workers frozen during submission)"
+            if args.submit_frozen
+            else "submission and execution",
             "ours": f"celery worker -P prefork -c {args.concurrency} -O fair, {args.broker}, db {args.db}",
             "dbos": {
                 s.name: {
@@ -406,7 +420,7 @@ def print_table(report: dict[str, Any]) -> None:
     cfg = report["config"]
     print(
         f"{cfg['runs']} runs/workflows x {STEPS} no-op durable steps, {cfg['rounds']} rounds per side, "
-        f"alternating; DBOS {cfg['dbos_version']}"
+        f"alternating; DBOS {cfg['dbos_version']}; timed: {cfg['timed']}"
     )
     print(f"ours: {cfg['ours']}")
     for name, d in cfg["dbos"].items():

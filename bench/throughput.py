@@ -16,6 +16,7 @@ N chains with one producer).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import signal
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +227,8 @@ class Bench:
         self.counter_key = PLAIN_COUNTER
         self.pg = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
         self.cpu = CpuMeter(worker.proc.pid, self.pg)
+        # Process groups frozen while a round is submitted (`bench.dbos_compare --submit-frozen`).
+        self.hold_pids: list[int] = []
 
     # ours ----------------------------------------------------------------------------------
 
@@ -306,8 +310,11 @@ class Bench:
         log_at = self.worker.log.stat().st_size
         cpu0 = self.cpu.snapshot()
         t0 = time.perf_counter()
-        submit(n)
+        with held(self.hold_pids):
+            submit(n)
         t_sub = time.perf_counter() - t0
+        if self.hold_pids:
+            t0 = time.perf_counter()  # execution alone: the clock starts when the workers thaw
         deadline = t0 + self.args.timeout
         polls = 0
         while True:
@@ -327,6 +334,20 @@ class Bench:
             time.sleep(POLL_S)
         elapsed = time.perf_counter() - t0
         return round_result(n, elapsed, t_sub, self.cpu.since(cpu0))
+
+
+@contextlib.contextmanager
+def held(pids: list[int]) -> Iterator[None]:
+    """Freeze these process groups (SIGSTOP) for the duration; thaw them after, whatever happens."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGCONT)
 
 
 def round_result(n: int, elapsed: float, t_sub: float, cpu: dict[str, float]) -> dict[str, Any]:

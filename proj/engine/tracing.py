@@ -86,6 +86,12 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def _off() -> bool:
+    """No tracer provider is installed in this process: every span would be a no-op."""
+    configure()
+    return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
+
 def flush(timeout_ms: int = 5000) -> None:
     """Export what is buffered (a prefork child about to exit)."""
     provider = trace.get_tracer_provider()
@@ -138,6 +144,9 @@ def step_span(
 
     `item_index` is the position of a fan-out item (None for a plain step).
     """
+    if not carrier and _off():
+        yield trace.INVALID_SPAN  # nothing to join and nowhere to send it: skip the span's cost
+        return
     ctx = propagate.extract(dict(carrier)) if carrier else None
     attrs = {**_attrs(kind, version, run_id), "engine.step": step, "engine.attempt": attempt}
     if item_index is not None:
