@@ -149,6 +149,28 @@ FAN = register(
 )
 
 
+def each_total(ctx: StepContext) -> int:
+    try:
+        return sum(ctx.result("each"))
+    except KeyError:  # an empty fan-out committed no result
+        return 0
+
+
+FAN_FIRST = register(
+    Kind(
+        name="fanfirst",
+        version=1,
+        retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
+        input_model=FanInput,
+        canvas=(
+            fan_out("each", fan_item, over=lambda ctx: range(ctx.input.items)),
+            step("total", each_total),
+        ),
+        description="a fan-out as the first stage: created with the run, at enqueue",
+    )
+)
+
+
 class ApprovalInput(BaseModel):
     key: str
     timeout_s: float = 30.0

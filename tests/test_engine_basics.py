@@ -26,6 +26,28 @@ def test_fan_out_fan_in_counted_in_postgres(inproc) -> None:
     assert scalar("SELECT count(*) FROM engine.step WHERE name = 'each' AND status = 'succeeded'") == 7
 
 
+@pytest.mark.parametrize("items", [3, 0])
+def test_a_fan_out_first_stage_is_created_with_its_run(inproc, items: int) -> None:
+    """The run and its first stage are inserted by one statement at enqueue; an empty first
+    fan-out goes on to the next stage at once."""
+    key = new_key()
+    ref = inproc.enqueue("fanfirst", {"items": items}, idempotency_key=key)
+    created = sql(
+        "SELECT stage, name, item, status FROM engine.step WHERE run_id = %s ORDER BY stage, item_index",
+        (ref.task_run_id,),
+    )
+    if items:  # the worker may have started them: their state varies, not their rows
+        assert [row[:3] for row in created[:items]] == [(0, "each", i) for i in range(items)], created
+    else:
+        assert created[0][:2] == (1, "total"), created
+    wait_for(lambda: inproc.get(ref.task_run_id).status == "succeeded", 30, what="fanfirst run done")
+    assert inproc.get(ref.task_run_id).result == sum(i * 10 for i in range(items))
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'each'") == items
+    again = inproc.enqueue("fanfirst", {"items": items}, idempotency_key=key)
+    assert (again.task_run_id, again.created) == (ref.task_run_id, False)
+    assert scalar("SELECT count(*) FROM engine.step WHERE run_id = %s", (ref.task_run_id,)) == items + 1
+
+
 def test_enqueue_is_idempotent_forever(inproc) -> None:
     key = new_key()
     first = inproc.enqueue("probe", {"n": 7}, idempotency_key=key)

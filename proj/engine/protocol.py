@@ -738,17 +738,24 @@ def advance(
 
 # A stage's step rows and the run pointer in one statement (a data-modifying CTE always runs, so
 # an empty fan-out still moves the pointer); rows that exist already are left alone.
-_CREATE_STAGE = text(
-    """
-    WITH ins AS (
+# A stage's step rows from the arrays of `stage_rows`; rows that exist already are left alone.
+# `{run}` names the run: the parameter, or `run.id` of a combined statement that has just
+# inserted it (`{runs}` = "run," then: nothing is inserted if it inserted nothing).
+STAGE_STEPS = """
         INSERT INTO engine.step (run_id, stage, name, item_index, item, max_attempts,
                                  next_attempt_at, published_at)
-        SELECT :run, :stage, n.name, n.idx, CAST(n.item AS jsonb), n.max,
+        SELECT {run}, :stage, n.name, n.idx, CAST(n.item AS jsonb), n.max,
                coalesce(:at, now()), CASE WHEN :due THEN now() END
-          FROM unnest(CAST(:names AS text[]), CAST(:idxs AS int[]), CAST(:items AS text[]),
+          FROM {runs} unnest(CAST(:names AS text[]), CAST(:idxs AS int[]), CAST(:items AS text[]),
                       CAST(:maxs AS int[])) AS n(name, idx, item, max)
         ON CONFLICT (run_id, stage, item_index) DO NOTHING
-        RETURNING id, name, item_index
+        RETURNING id, name, item_index"""
+# A stage's step rows and the run pointer in one statement (a data-modifying CTE always runs, so
+# an empty fan-out still moves the pointer).
+_CREATE_STAGE = text(
+    "WITH ins AS ("
+    + STAGE_STEPS.format(run=":run", runs="")
+    + """
     ), pointed AS (
         UPDATE engine.task_run SET current_stage = :stage, current_step = :label, updated_at = now()
          WHERE id = :run
@@ -918,28 +925,31 @@ def create_stage(
     inline = carry is not None and carry.parent.run_id == run_id and available_at is None
     if inline and st.over is None and len(st.steps) == 1 and _claim_next(s, carry, kind, stage):
         return True, []
+    rows = stage_rows(kind, stage, plan)
+    due_now = available_at is None
+    inserted = s.execute(
+        _CREATE_STAGE,
+        {"run": run_id, "stage": stage, "label": st.label, **rows, "at": available_at, "due": due_now},
+    ).all()
+    out = [Dispatch(r.id, kind.task_name(r.name), kind.queue, priority) for r in inserted] if due_now else []
+    return bool(rows["names"]), out
+
+
+def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]]:
+    """The step rows of `stage` as the array parameters of `_CREATE_STAGE`: one per static
+    step, or one per item of a fan-out (none for an empty one)."""
+    st = kind.canvas[stage]
     if st.over is not None:
         items = list(st.over(plan))
         rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]
     else:
         rows = [(sd, i, None) for i, sd in enumerate(st.steps)]
-    due_now = available_at is None
-    inserted = s.execute(
-        _CREATE_STAGE,
-        {
-            "run": run_id,
-            "stage": stage,
-            "label": st.label,
-            "names": [sd.name for sd, _, _ in rows],
-            "idxs": [index for _, index, _ in rows],
-            "items": [item for _, _, item in rows],
-            "maxs": [kind.policy_for(sd).max_attempts for sd, _, _ in rows],
-            "at": available_at,
-            "due": due_now,
-        },
-    ).all()
-    out = [Dispatch(r.id, kind.task_name(r.name), kind.queue, priority) for r in inserted] if due_now else []
-    return bool(rows), out
+    return {
+        "names": [sd.name for sd, _, _ in rows],
+        "idxs": [index for _, index, _ in rows],
+        "items": [item for _, _, item in rows],
+        "maxs": [kind.policy_for(sd).max_attempts for sd, _, _ in rows],
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from proj.engine.errors import (
 )
 from proj.engine.kind import Kind, get_kind
 from proj.engine.port import TaskRunRef, TaskRunView
-from proj.engine.protocol import TERMINAL, create_stage, finalize_cancel
+from proj.engine.protocol import STAGE_STEPS, TERMINAL, create_stage, finalize_cancel, stage_rows
 from proj.settings import get_settings
 
 TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
@@ -160,6 +160,28 @@ def insert_run(
     return ref, out
 
 
+# The run and its first stage in one statement (`protocol.stage_rows` gives the step arrays; an
+# empty first stage inserts the run alone). No row back: the key names an existing run.
+_INSERT_RUN = text(
+    """
+    WITH run AS (
+        INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash,
+                                     priority, concurrency_key, available_at, trace,
+                                     current_stage, current_step)
+        VALUES (:run, :kind, :version, :key, CAST(:input AS jsonb), :hash, :priority, :ckey,
+                coalesce(:at, now()), CAST(:trace AS jsonb), :stage, :label)
+        ON CONFLICT (kind, idempotency_key) DO NOTHING
+        RETURNING id
+    ), ins AS ("""
+    + STAGE_STEPS.format(run="run.id", runs="run,")
+    + """
+    )
+    SELECT run.id AS run_id, ins.id, ins.name FROM run LEFT JOIN ins ON true ORDER BY ins.item_index
+    """
+)
+_EXISTING = text("SELECT id, input_hash FROM engine.task_run WHERE kind = :kind AND idempotency_key = :key")
+
+
 def _insert(
     s: Session,
     kind: Kind,
@@ -172,19 +194,13 @@ def _insert(
     priority: int,
     trace: Mapping[str, Any] | None,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
-    inserted = s.scalar(
-        text(
-            """
-            INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash,
-                                         priority, concurrency_key, available_at, trace)
-            VALUES (:id, :kind, :version, :key, CAST(:input AS jsonb), :hash, :priority, :ckey,
-                    coalesce(:at, now()), CAST(:trace AS jsonb))
-            ON CONFLICT (kind, idempotency_key) DO NOTHING
-            RETURNING id
-            """
-        ),
+    plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
+    first = stage_rows(kind, 0, plan)
+    due_now = available_at is None
+    inserted = s.execute(
+        _INSERT_RUN,
         {
-            "id": run_id,
+            "run": run_id,
             "kind": kind.name,
             "version": kind.version,
             "key": idempotency_key,
@@ -194,30 +210,37 @@ def _insert(
             "ckey": ckey,
             "at": available_at,
             "trace": json.dumps(dict(trace)) if trace else None,
+            "stage": 0,
+            "label": kind.canvas[0].label,
+            **first,
+            "due": due_now,
         },
-    )
-    if inserted is None:
-        existing = s.execute(
-            text("SELECT id, input_hash FROM engine.task_run WHERE kind = :kind AND idempotency_key = :key"),
-            {"kind": kind.name, "key": idempotency_key},
-        ).one()
+    ).all()
+    if not inserted:
+        existing = s.execute(_EXISTING, {"kind": kind.name, "key": idempotency_key}).one()
         if existing.input_hash != digest:
             raise IdempotencyConflict(kind.name, idempotency_key, existing.id)
         return TaskRunRef(existing.id, created=False), []
-    plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
-    for stage in range(len(kind.canvas)):
+    ref = TaskRunRef(run_id, created=True)
+    if first["names"]:
+        out = (
+            [Dispatch(r.id, kind.task_name(r.name), kind.queue, priority) for r in inserted]
+            if due_now
+            else []
+        )
+        # With held siblings, item 0 starts the run; the rest go out when it is claimed.
+        return ref, out[:1] if kind.holds_start_siblings else out
+    for stage in range(1, len(kind.canvas)):  # the first stage was an empty fan-out
         has_steps, out = create_stage(
             s, run_id, kind, stage, plan, available_at=available_at, priority=priority
         )
         if has_steps:
-            if stage == 0 and kind.holds_start_siblings:
-                out = out[:1]  # item 0 starts the run; the rest go out when it is claimed
-            return TaskRunRef(run_id, created=True), out
+            return ref, out
     s.execute(
         text("UPDATE engine.task_run SET status = 'succeeded', finished_at = now() WHERE id = :id"),
         {"id": run_id},
     )
-    return TaskRunRef(run_id, created=True), []
+    return ref, []
 
 
 def enqueue(
