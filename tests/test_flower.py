@@ -7,11 +7,13 @@ HTTP API (`/api/tasks`) with Basic auth, as an operator's script would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,3 +138,30 @@ def test_flower_shows_a_runs_steps_with_workers_and_queues(procs, flower: str) -
 
     by_name = flower_tasks(flower, taskname="probe.v1.s3")
     assert by_name and all(t["name"] == "probe.v1.s3" for t in by_name.values())
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_every_published_step_is_reported_sent_with_its_queue(count: int) -> None:
+    """A batch of step messages reports its `task-sent` events as one `task.multi` message
+    (`dispatch._sent_events`); monitors (Flower, `celery events`) still get one event per
+    message, with the version queue. Read here with Celery's own event receiver."""
+    from proj.celery import app
+    from proj.engine import dispatch
+
+    items = [dispatch.step_dispatch(10_000 + i, "probe", 1, "s1") for i in range(count)]
+    seen: list[dict[str, Any]] = []
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"task-sent": seen.append})
+        with receiver.consumer_context() as (connection, _channel, _consumers):
+            # On Redis, events travel by pub/sub: the subscription is made on the first drain.
+            with contextlib.suppress(socket.timeout, TimeoutError):
+                connection.drain_events(timeout=0.3)
+            assert dispatch.publish(items) == []
+            deadline = time.monotonic() + 10
+            while len(seen) < count and time.monotonic() < deadline:
+                with contextlib.suppress(socket.timeout, TimeoutError):
+                    connection.drain_events(timeout=0.5)
+    assert sorted(e["args"] for e in seen) == sorted(repr((d.step_id,)) for d in items), seen
+    assert {(e["name"], e["routing_key"], e["queue"]) for e in seen} == {
+        ("probe.v1.s1", "probe.v1", "probe.v1")
+    }

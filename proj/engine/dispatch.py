@@ -4,8 +4,10 @@ because the sweeper re-sends whatever Postgres says is due and unpublished."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import text
 
@@ -40,6 +42,39 @@ def _app():  # imported lazily: the Celery app imports the kinds, which import t
     return app
 
 
+class _BufferedSentEvents:
+    """Stands in for the event dispatcher Celery's `send_task_message` publishes `task-sent`
+    with (its `event_dispatcher` option): the events go into a buffered dispatcher instead, which
+    sends them as one `task.multi` message, as a worker sends its own buffered task events.
+    Flower and `celery events` read both. A batch of N messages then costs N + 1 publishes
+    instead of 2N (the sent event was ~40 % of a publish)."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+
+    def publish(self, type: str, fields: dict[str, Any], producer: Any, **_options: Any) -> None:
+        self.dispatcher.send(type, **fields)
+
+
+@contextmanager
+def _sent_events(app: Any, producer: Any, count: int) -> Iterator[_BufferedSentEvents | None]:
+    """A buffered `task-sent` dispatcher for a batch (None: one message, or sent events off)."""
+    if count < 2 or not app.conf.task_send_sent_event:
+        yield None
+        return
+    dispatcher = app.events.Dispatcher(
+        channel=producer.channel, buffer_group=["task"], buffer_limit=count + 1
+    )
+    try:
+        yield _BufferedSentEvents(dispatcher)
+    finally:
+        try:
+            dispatcher.flush(errors=False)
+        except Exception as exc:  # monitoring only: the messages themselves are sent
+            log.warning("could not send %d task-sent event(s): %s", count, exc)
+        dispatcher.close()
+
+
 def publish(items: Sequence[Dispatch]) -> list[Dispatch]:
     """Send the messages; return the ones that could not be sent."""
     if not items:
@@ -48,7 +83,8 @@ def publish(items: Sequence[Dispatch]) -> list[Dispatch]:
     copies = get_settings().fault_duplicate_publish
     failed: list[Dispatch] = []
     try:
-        with app.producer_or_acquire() as producer:
+        with app.producer_or_acquire() as producer, _sent_events(app, producer, len(items)) as sent:
+            extra = {"event_dispatcher": sent} if sent is not None else {}
             for d in items:
                 try:
                     for _ in range(copies):
@@ -59,6 +95,7 @@ def publish(items: Sequence[Dispatch]) -> list[Dispatch]:
                             producer=producer,
                             retry=True,
                             retry_policy=PUBLISH_RETRY,
+                            **extra,
                         )
                 except Exception as exc:
                     log.warning("publish of step %s failed: %s", d.step_id, exc)
