@@ -457,3 +457,21 @@ class RedisWatch:
 
     def restarted(self) -> bool:
         return redis_run_id(self.url) != self.run_id
+
+
+def killpg(pid: int, sig: int) -> None:
+    """Signal a process group that may be gone already."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+@contextlib.contextmanager
+def held(pids: list[int]) -> Iterator[None]:
+    """Freeze these process groups (SIGSTOP) for the duration; thaw them after, whatever happens."""
+    for pid in pids:
+        killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            killpg(pid, signal.SIGCONT)

@@ -33,7 +33,6 @@ side by side"): ours ≥ 2× DBOS.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import statistics
@@ -53,6 +52,8 @@ from bench.common import (
     broker_db,
     db_url,
     descendants,
+    held,
+    killpg,
     machine,
     machine_line,
     print_report,
@@ -62,14 +63,9 @@ from bench.common import (
     set_env,
     wait_until,
 )
-from bench.throughput import held, round_result
+from bench.throughput import round_result
 
 STEPS = 5
-
-
-def killpg(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, sig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,6 @@ N chains with one producer).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import signal
@@ -26,7 +25,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from bench.common import (
     ROOT,
     VENV_BIN,
     add_service_args,
+    held,
     print_report,
     proc_cpu,
     service_env,
@@ -334,20 +333,6 @@ class Bench:
             time.sleep(POLL_S)
         elapsed = time.perf_counter() - t0
         return round_result(n, elapsed, t_sub, self.cpu.since(cpu0))
-
-
-@contextlib.contextmanager
-def held(pids: list[int]) -> Iterator[None]:
-    """Freeze these process groups (SIGSTOP) for the duration; thaw them after, whatever happens."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGCONT)
 
 
 def round_result(n: int, elapsed: float, t_sub: float, cpu: dict[str, float]) -> dict[str, Any]:

@@ -86,6 +86,11 @@ class Stage:
     over: Callable[[PlanContext], Sequence[Any]] | None = None
 
     @property
+    def single(self) -> bool:
+        """One step: neither a group nor a fan-out."""
+        return self.over is None and len(self.steps) == 1
+
+    @property
     def label(self) -> str:
         names = ",".join(s.name for s in self.steps)
         if self.over is not None:
@@ -102,7 +107,7 @@ def group(*stages: Stage) -> Stage:
     """Run several single steps in parallel; the chain continues when all have committed."""
     steps: list[StepDef] = []
     for s in stages:
-        if s.over is not None or len(s.steps) != 1 or s.steps[0].wait is not None:
+        if not s.single or s.steps[0].wait is not None:
             raise ValueError("group() takes single steps")
         steps.append(s.steps[0])
     return Stage(steps=tuple(steps))
@@ -221,7 +226,7 @@ class Kind:
     def holds_start_siblings(self) -> bool:
         """The first stage can have more rows than item 0: they are published when it is claimed."""
         first = self.canvas[0]
-        return self.start_step is not None and (first.over is not None or len(first.steps) > 1)
+        return self.start_step is not None and not first.single
 
 
 _REGISTRY: dict[tuple[str, int], Kind] = {}

@@ -121,19 +121,24 @@ _CLOSE_ATTEMPT = text(
     "UPDATE engine.step_attempt SET outcome = :outcome, ended_at = now(), "
     "error = CAST(:error AS jsonb) WHERE step_id = :id AND lease_token = :tok"
 )
-# The fenced commit of a result also closes its attempt record and locks the run row (for
-# `advance`) in one statement; no row means the lease is gone.
-_SUCCEED = text(
-    """
-    WITH done AS (
-        UPDATE engine.step SET status = 'succeeded', result = CAST(:result AS jsonb),
+# A step's fenced success: its result, and its attempt record closed. No `done` row means the
+# lease is gone. `{source}` is empty, or `FROM run` where a statement also gates it on the run.
+_STEP_SUCCEEDED = """
+    done AS (
+        UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
                finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
-         WHERE id = :id AND lease_token = :tok AND status = 'running'
-     RETURNING id, run_id
+          {source}
+         WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
+     RETURNING s.id, s.run_id
     ), closed AS (
         UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
           FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
-    )
+    )"""
+# The fenced commit of a result also locks the run row (for `advance`) in one statement.
+_SUCCEED = text(
+    "WITH"
+    + _STEP_SUCCEEDED.format(source="")
+    + """
     SELECT r.id, r.kind, r.version, r.input, r.status, r.current_stage, r.cancel_requested_at,
            r.priority, r.trace, r.created_at
       FROM done JOIN engine.task_run r ON r.id = done.run_id
@@ -701,7 +706,7 @@ def advance(
     current = kind.canvas[run.current_stage] if run.current_stage < len(kind.canvas) else None
     # A stage of one static step has one row ((run_id, stage, item_index) is unique): if the
     # caller just committed it, nothing is left open and the count can be skipped.
-    sole = current is not None and current.over is None and len(current.steps) == 1
+    sole = current is not None and current.single
     if not (sole and stage == run.current_stage):
         # A statement of its own, after the lock: its snapshot sees every committed sibling.
         open_steps = s.scalar(
@@ -736,8 +741,6 @@ def advance(
     return []
 
 
-# A stage's step rows and the run pointer in one statement (a data-modifying CTE always runs, so
-# an empty fan-out still moves the pointer); rows that exist already are left alone.
 # A stage's step rows from the arrays of `stage_rows`; rows that exist already are left alone.
 # `{run}` names the run: the parameter, or `run.id` of a combined statement that has just
 # inserted it (`{runs}` = "run," then: nothing is inserted if it inserted nothing).
@@ -832,7 +835,8 @@ def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> bool:
 # A linear chain's commit as one statement (`_commit_alone`): the fenced succeed, the run row
 # lock (after the step's, the protocol's lock order) and the run's next move. `run` holds a row
 # only if the run is where a plain advance expects it; otherwise nothing is written.
-_ALONE_HEAD = """
+_ALONE_HEAD = (
+    """
     WITH me AS MATERIALIZED (
         SELECT id, run_id FROM engine.step
          WHERE id = :id AND lease_token = :tok AND status = 'running'
@@ -842,16 +846,10 @@ _ALONE_HEAD = """
          WHERE r.current_stage = :stage AND r.cancel_requested_at IS NULL
            AND r.status NOT IN ('succeeded', 'failed', 'canceled')
            FOR UPDATE OF r
-    ), done AS (
-        UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
-          FROM run
-         WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
-     RETURNING s.id, s.run_id
-    ), closed AS (
-        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
-          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
     ),"""
+    + _STEP_SUCCEEDED.format(source="FROM run")
+    + ","
+)
 _SUCCEED_AND_CLAIM_NEXT = text(
     _ALONE_HEAD
     + _NEXT_CLAIMED.format(source="FROM done", guard="AND EXISTS (SELECT FROM done)")
@@ -881,7 +879,7 @@ def _commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> li
     lost); nothing was written and the caller takes the general path, which sorts those out.
     """
     here = kind.canvas[c.stage]
-    if here.over is not None or len(here.steps) != 1:
+    if not here.single:
         return None
     params: dict[str, Any] = {"id": c.step_id, "tok": c.token, "stage": c.stage, "result": payload}
     following = c.stage + 1
@@ -893,7 +891,7 @@ def _commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> li
         tracing.run_span(run, "succeeded", run.finished_at)
         return []
     nxt = kind.canvas[following]
-    if carry is None or nxt.over is not None or len(nxt.steps) != 1:
+    if carry is None or not nxt.single:
         return None
     params |= _next_params(carry, kind, following)
     with db.autocommit() as conn:
@@ -923,7 +921,7 @@ def create_stage(
     """
     st = kind.canvas[stage]
     inline = carry is not None and carry.parent.run_id == run_id and available_at is None
-    if inline and st.over is None and len(st.steps) == 1 and _claim_next(s, carry, kind, stage):
+    if inline and st.single and _claim_next(s, carry, kind, stage):
         return True, []
     rows = stage_rows(kind, stage, plan)
     due_now = available_at is None
@@ -931,8 +929,12 @@ def create_stage(
         _CREATE_STAGE,
         {"run": run_id, "stage": stage, "label": st.label, **rows, "at": available_at, "due": due_now},
     ).all()
-    out = [Dispatch(r.id, kind.task_name(r.name), kind.queue, priority) for r in inserted] if due_now else []
-    return bool(rows["names"]), out
+    return bool(rows["names"]), stage_dispatches(kind, inserted, priority) if due_now else []
+
+
+def stage_dispatches(kind: Kind, inserted: list[Any], priority: int) -> list[Dispatch]:
+    """The messages for step rows a stage insert returned (`id`, `name`)."""
+    return [dispatch.step_dispatch(r.id, kind.name, kind.version, r.name, priority) for r in inserted]
 
 
 def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]]:

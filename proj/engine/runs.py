@@ -32,7 +32,14 @@ from proj.engine.errors import (
 )
 from proj.engine.kind import Kind, get_kind
 from proj.engine.port import TaskRunRef, TaskRunView
-from proj.engine.protocol import STAGE_STEPS, TERMINAL, create_stage, finalize_cancel, stage_rows
+from proj.engine.protocol import (
+    STAGE_STEPS,
+    TERMINAL,
+    create_stage,
+    finalize_cancel,
+    stage_dispatches,
+    stage_rows,
+)
 from proj.settings import get_settings
 
 TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
@@ -223,11 +230,7 @@ def _insert(
         return TaskRunRef(existing.id, created=False), []
     ref = TaskRunRef(run_id, created=True)
     if first["names"]:
-        out = (
-            [Dispatch(r.id, kind.task_name(r.name), kind.queue, priority) for r in inserted]
-            if due_now
-            else []
-        )
+        out = stage_dispatches(kind, inserted, priority) if due_now else []
         # With held siblings, item 0 starts the run; the rest go out when it is claimed.
         return ref, out[:1] if kind.holds_start_siblings else out
     for stage in range(1, len(kind.canvas)):  # the first stage was an empty fan-out
