@@ -185,6 +185,7 @@ class Chaos:
     workers: list[str] = field(default_factory=list)
     frozen: set[str] = field(default_factory=set)
     serial: int = 0
+    exits: int = 0  # workers that exited by themselves (restarted by `supervise`)
     lock: threading.Lock = field(default_factory=threading.Lock)
     timers: list[threading.Thread] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -201,6 +202,23 @@ class Chaos:
 
     def alive(self) -> list[str]:
         return [w for w in self.workers if self.procs.procs[w].poll() is None]
+
+    def supervise(self) -> None:
+        """Restart workers that exited by themselves, as a process supervisor would.
+
+        Celery's worker can die of a Redis restart: when its consumer closes the lost
+        connection, kombu's `restore_unacked` raises on the closed channel ("Unrecoverable
+        error: AttributeError ... 'hostname'") and the worker exits. A deployment restarts it
+        (systemd, `restart:` in compose); so does this driver, and the report counts it.
+        """
+        for name in [w for w in self.workers if self.procs.procs[w].poll() is not None]:
+            code = self.procs.procs[name].poll()
+            with self.lock:
+                self.frozen.discard(name)
+            self.workers.remove(name)
+            repl = self.start_worker(wait=False)
+            self.exits += 1
+            self.note(f"{name} exited by itself (code {code}), replacement {repl}")
 
     def kill_worker(self) -> None:
         victim = self.rng.choice(self.alive())
@@ -249,6 +267,7 @@ class Chaos:
         while not self.stop.is_set() and sum(self.counts.values()) < MAX_FAULTS:
             if self.stop.wait(self.rng.uniform(2.0, 4.0)) or time.monotonic() > until or done():
                 break
+            self.supervise()
             kind = self.rng.choice(kinds)
             try:
                 if kind == "kill_worker":
@@ -436,7 +455,11 @@ def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Re
         feeder.join(TRANSIENT_WAIT_S + 30)
 
         def explain() -> str:
-            lines = [f"faults: {dict(chaos.counts)}", *chaos.log, f"runs: {safe(run_table, '?')}"]
+            lines = [
+                f"faults: {dict(chaos.counts)}, workers exited by themselves: {chaos.exits}",
+                *chaos.log,
+                f"runs: {safe(run_table, '?')}",
+            ]
             lines += [f"failed/canceled: {r}" for r in safe(failed_runs, [])]
             lines += [f"stuck: {r}" for r in safe(stuck_runs, [])][:40]
             for name in soak_procs.procs:
@@ -480,7 +503,7 @@ def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Re
         f"{drain_s:.1f}s, checks {checks_s:.1f}s, test body {total:.1f}s",
         f"faults injected ({sum(chaos.counts.values())}): "
         + ", ".join(f"{k}={v}" for k, v in sorted(chaos.counts.items())),
-        f"worker processes started in all: {chaos.serial}",
+        f"worker processes started in all: {chaos.serial}; exited by themselves and restarted: {chaos.exits}",
         f"invariants checked ({sum(checked.values())}): " + ", ".join(f"{k}={v}" for k, v in checked.items()),
         f"engine: {stats}",
         f"client-side retries in the test process: {len(client_errors)} "
