@@ -11,6 +11,7 @@ from rich.table import Table
 
 cli = typer.Typer(help="Durable Celery steps with ledger discipline.", no_args_is_help=True)
 console = Console(emoji=False, highlight=False)
+errors = Console(emoji=False, highlight=False, stderr=True, soft_wrap=True)
 
 
 def migrate_to_head() -> str:
@@ -137,12 +138,168 @@ def signal(topic: str, payload: str = typer.Option("null", help="JSON payload"))
 
 
 @cli.command()
-def cancel(run_id: str, reason: str = typer.Option("operator", help="why")) -> None:
-    """Cancel a run: business first, then no further step starts."""
+def cancel(
+    run_or_request: str = typer.Argument(..., metavar="ID", help="a request id or a run id"),
+    reason: str = typer.Option("operator", help="why"),
+    by: str = typer.Option(None, help="who cancels (default: your user name)"),
+) -> None:
+    """Cancel a request (its runs, with compensation) or one run: business first."""
+    from proj import db
+    from proj.acquisition import service
+    from proj.acquisition.models import DownloadTask
     from proj.engine import runs
 
-    runs.cancel(uuid.UUID(run_id), reason)
-    console.print(f"cancel requested for {run_id}")
+    ident = _uuid_or_exit(run_or_request)
+    with db.transaction() as s:
+        is_request = s.get(DownloadTask, ident) is not None
+    if is_request:
+        with _business_errors():
+            n = service.cancel_download(_engine(), db.sessions(), ident, reason, by=by or _operator())
+        console.print(f"cancel requested for request {ident}: {n} run(s) stopping, compensation follows")
+        return
+    try:
+        runs.cancel(ident, reason)
+    except KeyError:
+        errors.print(f"[red]no request or run {run_or_request}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"cancel requested for run {ident}")
+
+
+# ------------------------------------------------------------------------------ the front door
+
+
+def _engine() -> object:
+    import proj.celery  # noqa: F401  - kinds (cancel hooks, compensation) and the publishing app
+    from proj.engine.celery_engine import CeleryTaskEngine
+
+    return CeleryTaskEngine()
+
+
+def _operator() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "cli"
+
+
+def _uuid_or_exit(value: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        errors.print(f"[red]{value!r} is not an id (a UUID)[/red]")
+        raise typer.Exit(2) from None
+
+
+class _business_errors:  # noqa: N801 - used as a statement: `with _business_errors():`
+    """Typed business errors become one red line and exit 1 (nothing was written)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        from proj.engine.errors import BadInput, EngineError
+
+        if isinstance(exc, BadInput | EngineError):
+            errors.print(f"[red]{type(exc).__name__}: {exc}[/red]")
+            raise typer.Exit(1)
+        return False
+
+
+@cli.command()
+def request(
+    torrent_file: typer.FileBinaryRead = typer.Argument(..., metavar="FILE.torrent"),
+    requester: str = typer.Option(..., help="who asks (on the timeline)"),
+    title: str = typer.Option(None, help="default: the torrent's name"),
+    webhook: str = typer.Option(None, help="http(s) URL told when the files are in the library"),
+) -> None:
+    """Request a download. Prints the request id on its own line, then its status."""
+    from proj import db
+    from proj.acquisition import service
+
+    data = torrent_file.read(service.get_settings().max_torrent_bytes + 1)
+    with _business_errors():
+        sub = service.submit_request(
+            db.sessions(), requester=requester, torrent=data, title=title, webhook_url=webhook
+        )
+        with db.transaction() as s:
+            row = service.request_detail(s, sub.id).row
+    print(sub.id)
+    console.print(f"{row.status}: {row.title} ({row.files} file(s), {row.total_size} bytes) — approve with:")
+    console.print(f"  proj approve {sub.id}")
+
+
+@cli.command("requests")
+def list_requests(
+    status: str = typer.Option(None, help="only this status (requested, approved, … notified)"),
+    requester: str = typer.Option(None),
+    limit: int = typer.Option(50),
+) -> None:
+    """List requests, newest first: id, title, requester, status, progress, size, age."""
+    from proj import db
+    from proj.acquisition import service
+    from proj.admin.app import fmt_ago, fmt_size
+
+    with _business_errors(), db.transaction() as s:
+        rows = service.list_requests(s, status=status, requester=requester, limit=limit)
+    lines = [
+        (
+            str(r.id),
+            r.title,
+            r.requester,
+            r.status,
+            f"{r.progress_pct():.0f}%",
+            fmt_size(r.total_size),
+            fmt_ago(r.created_at),
+        )
+        for r in rows
+    ]
+    header = ("id", "title", "requester", "status", "progress", "size", "age")
+    if not console.is_terminal:  # piped: whole values, one request per line, tab-separated
+        for line in [header, *lines]:
+            print("\t".join(line))
+    else:
+        table = Table(*header)
+        table.columns[0].no_wrap = True  # copied into `proj approve ID`: never cut
+        for line in lines:
+            table.add_row(*line)
+        console.print(table)
+    if not rows:
+        console.print("[dim]no requests: `proj request FILE.torrent --requester NAME` makes one[/dim]")
+
+
+@cli.command()
+def approve(
+    request_id: str = typer.Argument(..., metavar="ID"),
+    by: str = typer.Option(None, help="who approves (default: your user name)"),
+) -> None:
+    """Approve a request: the download starts (recorded on its timeline with who approved)."""
+    from proj import db
+    from proj.acquisition import service
+
+    tid = _uuid_or_exit(request_id)
+    who = by or _operator()
+    with _business_errors():
+        service.approve_and_signal(_engine(), db.sessions(), tid, who)  # type: ignore[arg-type]
+    console.print(f"approved {tid} by {who}")
+
+
+@cli.command()
+def reject(
+    request_id: str = typer.Argument(..., metavar="ID"),
+    reason: str = typer.Option(..., help="why (on the timeline)"),
+    by: str = typer.Option(None, help="who rejects (default: your user name)"),
+) -> None:
+    """Reject a request that was not approved: no torrent is ever added."""
+    from proj import db
+    from proj.acquisition import service
+
+    tid = _uuid_or_exit(request_id)
+    who = by or _operator()
+    with _business_errors():
+        service.reject_and_stop(_engine(), db.sessions(), tid, who, reason)  # type: ignore[arg-type]
+    console.print(f"rejected {tid} by {who}: {reason}")
 
 
 @cli.command()

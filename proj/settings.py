@@ -84,6 +84,15 @@ class Settings(BaseSettings):
     qbt_password: SecretStr | None = None
     admin_username: str = "admin"
     admin_password: SecretStr | None = None
+    api_token: SecretStr | None = Field(
+        default=None, description="bearer token of the JSON API under /api (off when unset)"
+    )
+    hook_token: SecretStr | None = Field(
+        default=None, description="bearer token of /api/hooks/qbittorrent only (off when unset)"
+    )
+    max_torrent_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="largest .torrent accepted"
+    )
     admin_secret: SecretStr | None = Field(
         default=None, description="signs the admin session cookie (CSRF); random per start if unset"
     )

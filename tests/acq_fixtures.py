@@ -88,20 +88,31 @@ def swarm(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Swarm:
     """Seeder ready; managed client whose on-finish hook runs `proj signal download:%I`."""
-    seeder = qbt_factory("seeder", upload_limit=2 * 1024 * 1024)
-    add_torrent(
-        seeder.client(),
-        qbt_payload.torrent,
-        qbt_payload.infohash,
-        save_path=qbt_payload.seed_save_path,
-        seed=True,
-    )
-    wait_seeding(seeder.client(), qbt_payload.infohash)
     base = tmp_path_factory.mktemp("acq")
     hook = f'sh -c "{VENV_BIN / "proj"} signal download:%I >> {base / "hook.log"} 2>&1"'
+    return make_swarm(qbt_factory, qbt_payload, base, hook)
+
+
+def curl_hook(url: str, token: str, log: Path) -> str:
+    """qBittorrent's on-finish program in its cross-container form: the HTTP hook, by curl."""
+    return (
+        f"sh -c \"curl -fsS -X POST -H 'Authorization: Bearer {token}' "
+        f"'{url}/api/hooks/qbittorrent?hash=%I' >> {log} 2>&1\""
+    )
+
+
+def make_swarm(
+    qbt_factory: Callable[..., LocalQbittorrent], payload: QbtPayload, base: Path, hook: str
+) -> Swarm:
+    """A seeder sharing `payload`, and the managed client running `hook` when a torrent finishes."""
+    seeder = qbt_factory("seeder", upload_limit=2 * 1024 * 1024)
+    add_torrent(
+        seeder.client(), payload.torrent, payload.infohash, save_path=payload.seed_save_path, seed=True
+    )
+    wait_seeding(seeder.client(), payload.infohash)
     # Reached through a test proxy too: its Host header must not be refused.
     lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
     managed = qbt_factory("managed", on_finished=hook, extra_config=lenient)
     (base / "library").mkdir()
     (base / "downloads").mkdir()
-    return Swarm(seeder, managed, qbt_payload, base / "library", base / "downloads")
+    return Swarm(seeder, managed, payload, base / "library", base / "downloads")

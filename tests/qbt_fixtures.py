@@ -92,7 +92,9 @@ def qbt_factory(
 ) -> Iterator[Callable[..., LocalQbittorrent]]:
     """Start named instances (kwargs go to LocalQbittorrent); all are stopped at teardown."""
     if shutil.which("qbittorrent-nox") is None:
-        pytest.skip("qbittorrent-nox not installed (apt-get install qbittorrent-nox)")
+        pytest.fail(
+            "qbittorrent-nox is not installed: run `bash scripts/setup` (apt-get install qbittorrent-nox)"
+        )
     instances: list[LocalQbittorrent] = []
 
     def start(name: str, **kwargs: object) -> LocalQbittorrent:

@@ -67,7 +67,7 @@ def test_refuses_to_start_without_password() -> None:
 
 
 def test_every_page_needs_credentials(client: TestClient) -> None:
-    for path in ("/admin", "/admin/dead", "/admin/versions", "/admin/outbox", "/admin/parked"):
+    for path in ("/admin", "/admin/runs", "/admin/dead", "/admin/versions", "/admin/outbox", "/admin/parked"):
         r = client.get(path, auth=None)
         assert r.status_code == 401, path
         assert r.headers["www-authenticate"].startswith("Basic")
@@ -118,19 +118,19 @@ def test_runs_list_filters_and_search(inproc, client: TestClient) -> None:
     flaky = inproc.enqueue("flaky", {}, idempotency_key="flaky-" + new_key()).task_run_id
     wait_for(lambda: _status(flaky) == "failed", 20, what="flaky to fail")
 
-    page = client.get("/admin").text
+    page = client.get("/admin/runs").text
     assert all(str(i)[:8] in page for i in ids) and "flaky@1" in page
-    only_failed = client.get("/admin", params={"status": "failed"}).text
+    only_failed = client.get("/admin/runs", params={"status": "failed"}).text
     assert str(flaky)[:8] in only_failed and str(ids[0])[:8] not in only_failed
-    by_kind = client.get("/admin", params={"kind": "probe", "version": "1"}).text
+    by_kind = client.get("/admin/runs", params={"kind": "probe", "version": "1"}).text
     assert str(flaky)[:8] not in by_kind and str(ids[1])[:8] in by_kind
-    by_key = client.get("/admin", params={"q": keys[2][6:20]}).text
+    by_key = client.get("/admin/runs", params={"q": keys[2][6:20]}).text
     assert str(ids[2])[:8] in by_key and str(ids[0])[:8] not in by_key
-    by_id = client.get("/admin", params={"q": str(ids[1])}).text
+    by_id = client.get("/admin/runs", params={"q": str(ids[1])}).text
     assert str(ids[1])[:8] in by_id and str(ids[2])[:8] not in by_id
-    by_prefix = client.get("/admin", params={"q": str(ids[0])[:8]}).text
+    by_prefix = client.get("/admin/runs", params={"q": str(ids[0])[:8]}).text
     assert str(ids[0])[:8] in by_prefix
-    assert "no runs match" in client.get("/admin", params={"q": "no-such-key%_"}).text
+    assert "no runs match" in client.get("/admin/runs", params={"q": "no-such-key%_"}).text
 
 
 def test_run_page_shows_a_business_timeline_not_attempts(inproc, client: TestClient) -> None:
@@ -210,7 +210,8 @@ def test_live_progress(inproc, client: TestClient) -> None:
     assert data["status"] == "running" and p["step"] == "copy" and 0 < p["pct"] < 100
     assert p["message"].startswith("chunk ")
     html = client.get(f"/admin/runs/{ref.task_run_id}").text
-    assert 'class="bar"' in html and "progress.json" in html  # rendered + polled
+    assert 'class="bar"' in html and f'data-live-run="{ref.task_run_id}"' in html  # rendered + polled
+    assert "progress.json" in client.get("/admin/static/admin.js").text  # by the page's one script
     wait_for(lambda: client.get(url).json()["terminal"], 30, what="run to finish")
     assert client.get(url).json() == {**client.get(url).json(), "status": "succeeded", "progress": []}
     assert client.get(f"/admin/runs/{uuid.uuid4()}/progress.json").status_code == 404

@@ -6,7 +6,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, LargeBinary, MetaData, Text, func
+from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, LargeBinary, MetaData, Text, func, text
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -21,7 +21,17 @@ class DownloadTask(Base):
     """One requested title: its torrent, where it stands, and whether it was canceled."""
 
     __tablename__ = "download_task"
-    __table_args__ = (Index("download_task_infohash_idx", "infohash"),)
+    __table_args__ = (
+        Index("download_task_infohash_idx", "infohash"),
+        Index(
+            "download_task_client_key_uniq",
+            "client_key",
+            unique=True,
+            postgresql_where=text("client_key IS NOT NULL"),
+        ),
+        Index("download_task_status_created_idx", "status", "created_at"),
+        Index("download_task_created_idx", "created_at"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     requester: Mapped[str] = mapped_column(Text)
@@ -36,6 +46,9 @@ class DownloadTask(Base):
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    # `Idempotency-Key` of the API call that created it, and a digest of that call's body.
+    client_key: Mapped[str | None] = mapped_column(Text)
+    client_digest: Mapped[str | None] = mapped_column(Text)
 
 
 class Approval(Base):

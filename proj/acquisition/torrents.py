@@ -10,7 +10,8 @@ import torf
 
 from proj.engine.errors import BadInput
 
-MAX_TORRENT_BYTES = 4 * 1024 * 1024
+MAX_TORRENT_BYTES = 4 * 1024 * 1024  # the default of `MAX_TORRENT_BYTES` (settings)
+CEILING_TORRENT_BYTES = 64 * 1024 * 1024  # the most that setting allows
 
 
 class BadTorrent(BadInput):
@@ -54,12 +55,22 @@ def _segment(seg: object) -> str:
     return s
 
 
-def parse(data: bytes) -> TorrentMeta:
-    """Parse and validate .torrent bytes; raises `BadTorrent` with a clear reason."""
+class TorrentTooLarge(BadTorrent):
+    """More metadata than `MAX_TORRENT_BYTES` (the API answers 413)."""
+
+
+def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
+    """Parse and validate .torrent bytes; raises `BadTorrent` with a clear reason.
+
+    New requests are held to `MAX_TORRENT_BYTES` (settings); a stored torrent, already admitted,
+    is parsed again by the kinds under the ceiling only, so lowering the setting strands nothing.
+    """
+    if max_bytes is None:
+        max_bytes = CEILING_TORRENT_BYTES
     if not isinstance(data, bytes | bytearray) or not data:
         raise BadTorrent("empty torrent")
-    if len(data) > MAX_TORRENT_BYTES:
-        raise BadTorrent(f"torrent metadata is {len(data)} bytes, limit {MAX_TORRENT_BYTES}")
+    if len(data) > max_bytes:
+        raise TorrentTooLarge(f"torrent metadata is {len(data)} bytes, limit {max_bytes}")
     try:
         t = torf.Torrent.read_stream(io.BytesIO(bytes(data)), validate=False)
         meta_info = t.metainfo["info"]
@@ -86,6 +97,11 @@ def parse(data: bytes) -> TorrentMeta:
     if clash := sorted(paths & folders):
         raise BadTorrent(f"{clash[0]!r} is both a file and a folder in the torrent")
     return TorrentMeta(name, infohash, files, sum(f.size for f in files))
+
+
+def library_rel(meta: TorrentMeta, f: TorrentFile) -> str:
+    """A file's path below its task's library folder: `<torrent name>[/<file path>]`."""
+    return meta.name if len(meta.files) == 1 and f.rel_path == meta.name else f"{meta.name}/{f.rel_path}"
 
 
 def content_root(meta: TorrentMeta, save_path: Path) -> Path:

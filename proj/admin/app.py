@@ -1,10 +1,13 @@
-"""The `/admin` web app: what Flower cannot show (business timelines, dead letters, draining
-versions, outbox backlog, parked runs) and the operator's decisions on dead letters.
+"""The `/admin` web app: the operator's Requests (upload, approve, reject, cancel), what Flower
+cannot show (business timelines, dead letters, draining versions, outbox backlog, parked runs),
+the decisions on dead letters, and the JSON API under `/api` (`proj.admin.api`).
 
 Security: every page needs HTTP Basic credentials (`ADMIN_USERNAME` / `ADMIN_PASSWORD`) unless
 the app was made with `insecure=True` (loopback only, see `proj admin --insecure-local`).
 Browsers resend Basic credentials on cross-site requests, so every POST also needs the per-session
-CSRF token (a signed session cookie, `SameSite=Strict`); a POST without it gets 403.
+CSRF token (a signed session cookie, `SameSite=Strict`); a POST without it gets 403. Every answer
+carries a CSP allowing scripts from this origin only (no inline script), `frame-ancestors 'none'`
+and `nosniff` (`tests/test_front_door.py::test_security_headers`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,40 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Form, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi import APIRouter, Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from fastapi.templating import Jinja2Templates
 from starlette.middleware.sessions import SessionMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proj import db
+from proj.acquisition import service
 from proj.admin import queries
+from proj.admin.api import api_router, too_large
 from proj.admin.timeline import short_json
+from proj.engine.errors import BadInput
 from proj.settings import Settings, get_settings
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+STATIC = Path(__file__).resolve().parent / "static"
+SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        b"object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    ),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+]
+UPLOAD_PATHS = ("/api/requests", "/admin/requests")
 REALM = 'Basic realm="proj admin", charset="UTF-8"'
 CSRF_FIELD = "csrf_token"
 
@@ -63,6 +89,48 @@ class AdminAuth:
 # ------------------------------------------------------------------------------ formatting
 
 
+def fmt_size(value: int | None) -> str:
+    """Bytes for people: 1.4 GiB, 700 MiB, 12 KiB."""
+    if value is None:
+        return ""
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(value)
+
+
+class SecurityHeaders:
+    """Pure ASGI: adds the headers to every answer (pages, JSON, errors, static files), and
+    refuses an upload whose announced length is over the torrent limit before it is read."""
+
+    def __init__(self, app: ASGIApp, max_upload: int) -> None:
+        self.app = app
+        self.max_upload = max_upload
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] not in dict(SECURITY_HEADERS)]
+                message["headers"] = headers + SECURITY_HEADERS
+            await send(message)
+
+        request = Request(scope)
+        if request.method == "POST" and scope["path"] in UPLOAD_PATHS and too_large(request, self.max_upload):
+            answer = JSONResponse(
+                {"detail": f"upload over MAX_TORRENT_BYTES ({self.max_upload} bytes)", "error": "TooLarge"},
+                status_code=413,
+            )
+            await answer(scope, receive, send_with_headers)
+            return
+        await self.app(scope, receive, send_with_headers)
+
+
 def fmt_ts(value: datetime | None) -> str:
     if value is None:
         return ""
@@ -92,6 +160,7 @@ def make_templates() -> Jinja2Templates:
     t.env.filters["ts"] = fmt_ts
     t.env.filters["ago"] = fmt_ago
     t.env.filters["short"] = short_json
+    t.env.filters["size"] = fmt_size
     return t
 
 
@@ -119,9 +188,18 @@ def create_app(
     secret = secret or secrets.token_urlsafe(32)
 
     import proj.celery  # noqa: F401  - registers kinds (versions page, compensation, timeline hooks)
+    from proj.engine.celery_engine import CeleryTaskEngine
 
+    engine = CeleryTaskEngine()
     templates = make_templates()
-    app = FastAPI(title="proj admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="proj",
+        summary="Requests, approvals and qBittorrent's on-finish hook of the media acquisition service",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/api/openapi.json",
+    )
     app.add_middleware(
         SessionMiddleware,
         secret_key=secret,
@@ -130,7 +208,9 @@ def create_app(
         same_site="strict",
         https_only=False,
     )
+    app.add_middleware(SecurityHeaders, max_upload=settings.max_torrent_bytes)
     app.state.auth = auth
+    app.include_router(api_router(settings, engine))
 
     def require_auth(request: Request) -> None:
         if not auth.check(request.headers.get("authorization")):
@@ -198,9 +278,109 @@ def create_app(
         """Liveness without credentials: says nothing but "ok"."""
         return PlainTextResponse("ok")
 
-    r = APIRouter(prefix="/admin", dependencies=[Depends(require_auth)])
+    @app.get("/admin/static/admin.js", include_in_schema=False)
+    def admin_js() -> FileResponse:
+        """The admin's one script (no credentials needed: it holds no data)."""
+        return FileResponse(STATIC / "admin.js", media_type="text/javascript")
+
+    r = APIRouter(prefix="/admin", dependencies=[Depends(require_auth)], include_in_schema=False)
+
+    def who(request: Request) -> str:
+        """The operator, as the timeline names them."""
+        return auth.username if auth.password else "local operator"
+
+    def task_or_404(value: str) -> uuid.UUID:
+        tid = queries.parse_uuid(value)
+        if tid is None:
+            raise HTTPException(404, f"no request {value}")
+        return tid
 
     @r.get("", response_class=HTMLResponse)
+    def requests_page(request: Request, status: str = "", requester: str = "") -> Response:
+        try:
+            with db.transaction() as s:
+                rows = service.list_requests(s, status=status or None, requester=requester or None)
+                counts = service.status_counts(s)
+        except BadInput as exc:
+            flash(request, str(exc), "error")
+            return RedirectResponse("/admin", status_code=303)
+        return render(
+            request,
+            "requests.html",
+            rows=rows,
+            counts=counts,
+            statuses=list(service.RequestStatus),
+            f={"status": status, "requester": requester},
+            max_bytes=settings.max_torrent_bytes,
+        )
+
+    @r.post("/requests", dependencies=[Depends(require_csrf)])
+    async def upload_request(
+        request: Request,
+        torrent: UploadFile = File(...),
+        requester: str = Form(...),
+        title: str = Form(""),
+        webhook_url: str = Form(""),
+    ) -> Response:
+        data = await torrent.read(settings.max_torrent_bytes + 1)
+        try:
+            sub = service.submit_request(
+                db.sessions(),
+                requester=requester.strip(),
+                torrent=data,
+                title=title.strip() or None,
+                webhook_url=webhook_url.strip() or None,
+            )
+        except BadInput as exc:
+            flash(request, f"request refused: {exc}", "error")
+            return RedirectResponse("/admin", status_code=303)
+        flash(request, f"requested {sub.id}: approve it to start the download")
+        return RedirectResponse(f"/admin/requests/{sub.id}", status_code=303)
+
+    @r.get("/requests/{task_id}", response_class=HTMLResponse)
+    def request_page(request: Request, task_id: str) -> Response:
+        tid = task_or_404(task_id)
+        try:
+            with db.transaction() as s:
+                d = service.request_detail(s, tid)
+        except service.UnknownTask:
+            return render(request, "missing.html", status_code=404, what=f"request {task_id}")
+        return render(request, "request.html", d=d, row=d.row)
+
+    def decided(request: Request, tid: uuid.UUID, act: Any, done: str) -> RedirectResponse:
+        try:
+            act()
+        except service.UnknownTask as exc:
+            raise HTTPException(404, str(exc)) from exc
+        except (service.RequestConflict, BadInput) as exc:
+            flash(request, str(exc), "error")
+        else:
+            flash(request, done)
+        return RedirectResponse(f"/admin/requests/{tid}", status_code=303)
+
+    @r.post("/requests/{task_id}/approve", dependencies=[Depends(require_csrf)])
+    def approve_request(request: Request, task_id: str) -> RedirectResponse:
+        tid = task_or_404(task_id)
+        by = who(request)
+        act = lambda: service.approve_and_signal(engine, db.sessions(), tid, by)  # noqa: E731
+        return decided(request, tid, act, f"approved by {by}: the download starts")
+
+    @r.post("/requests/{task_id}/reject", dependencies=[Depends(require_csrf)])
+    def reject_request(request: Request, task_id: str, reason: str = Form("")) -> RedirectResponse:
+        tid = task_or_404(task_id)
+        by = who(request)
+        act = lambda: service.reject_and_stop(engine, db.sessions(), tid, by, reason)  # noqa: E731
+        return decided(request, tid, act, f"rejected by {by}")
+
+    @r.post("/requests/{task_id}/cancel", dependencies=[Depends(require_csrf)])
+    def cancel_request(request: Request, task_id: str, reason: str = Form("")) -> RedirectResponse:
+        tid = task_or_404(task_id)
+        by = who(request)
+        why = reason.strip() or "canceled by an operator"
+        act = lambda: service.cancel_download(engine, db.sessions(), tid, why, by=by)  # noqa: E731
+        return decided(request, tid, act, f"cancel requested by {by}: compensation follows")
+
+    @r.get("/runs", response_class=HTMLResponse)
     def runs_page(
         request: Request, kind: str = "", version: str = "", status: str = "", q: str = "", page: int = 0
     ) -> Response:

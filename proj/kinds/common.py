@@ -46,9 +46,7 @@ def inside(root: Path, path: Path) -> Path:
     return resolved
 
 
-def library_rel(meta: torrents.TorrentMeta, f: torrents.TorrentFile) -> str:
-    """A file's path below its task's library folder: `<torrent name>[/<file path>]`."""
-    return meta.name if len(meta.files) == 1 and f.rel_path == meta.name else f"{meta.name}/{f.rel_path}"
+library_rel = torrents.library_rel
 
 
 def library_path(task_id: uuid.UUID, rel: str, root: Path | None = None) -> Path:

@@ -6,8 +6,9 @@ import uuid
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
+import ledger
 from proj import db
 from proj.acquisition import library, qbt, service, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
@@ -39,6 +40,9 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
     if task is None:
         return {"skipped": True}
     infohash = task.infohash
+    if not _torrent_was_added(task.id):
+        # Rejected (or canceled) before the add was ever attempted: qBittorrent is not touched.
+        return {"skipped": True, "reason": "no torrent was added"}
 
     def do(att: Attempt) -> dict[str, Any]:
         if qbt.find(infohash) is not None:
@@ -52,6 +56,12 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
     return effect(
         ctx, f"qbt-remove:{task.id}", {"infohash": infohash}, do, reconcile, effect_kind="qbittorrent"
     )
+
+
+def _torrent_was_added(task_id: uuid.UUID) -> bool:
+    """The ledger knows every add we attempted (`acquire.add_torrent`'s op key)."""
+    with db.transaction() as s:
+        return ledger.get_operation(s, f"qbt-add:{task_id}") is not None
 
 
 def clean_files(ctx: StepContext) -> dict[str, Any]:
@@ -78,7 +88,12 @@ def mark_compensated(ctx: StepContext) -> dict[str, Any]:
     if task is None:
         return {"skipped": True}
     with ctx.fenced() as s:
-        s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(status="canceled"))
+        # A rejected request keeps saying so; anything else ends `canceled`.
+        s.execute(
+            update(DownloadTask)
+            .where(DownloadTask.id == task.id, DownloadTask.status != service.RequestStatus.REJECTED)
+            .values(status=service.RequestStatus.CANCELED, updated_at=func.now())
+        )
         service.event(s, task.id, "compensated", run_id=str(ctx.input.run_id), kind=ctx.input.kind)
     return {"status": "canceled"}
 

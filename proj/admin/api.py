@@ -1,0 +1,288 @@
+"""The JSON API under `/api`: requests, decisions, and qBittorrent's on-finish hook.
+
+It calls the same business functions as the CLI and the /admin pages
+(`proj.acquisition.service`), so a decision is the same row and the same timeline event
+whichever door it came through.
+
+Auth: bearer tokens from the environment, separate from the admin's Basic auth. `API_TOKEN`
+opens the request endpoints, `HOOK_TOKEN` opens the hook only. A missing or wrong token is a
+401 JSON answer, checked before the body is read, so nothing is written
+(`tests/test_front_door.py::test_api_auth`). An unset token disables its endpoints (401 that
+says so).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, File, Form, Header, HTTPException, Query, Request, UploadFile
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, SecretStr
+
+from proj import db
+from proj.acquisition import service, torrents
+from proj.engine.errors import BadInput, BadTopic
+from proj.engine.port import TaskEngine
+from proj.settings import Settings
+
+INFOHASH = re.compile(r"^(?:[0-9a-fA-F]{40}|[0-9a-fA-F]{64})$")
+# Multipart framing and the small text fields on top of the torrent itself.
+FORM_OVERHEAD = 64 * 1024
+
+
+class ApiError(BaseModel):
+    detail: str
+    error: str = Field(description="the error's type, e.g. BadTorrent, RequestConflict")
+
+
+class RequestOut(BaseModel):
+    id: uuid.UUID
+    title: str
+    requester: str
+    status: service.RequestStatus
+    progress: float = Field(description="download progress in %")
+    total_size: int
+    files: int
+    created_at: str
+    updated_at: str
+
+
+class FileOut(BaseModel):
+    path: str
+    size: int
+    library: dict[str, Any] | None = Field(description="the library copy, once imported")
+
+
+class EventOut(BaseModel):
+    at: str
+    what: str
+    detail: dict[str, Any]
+
+
+class RunOut(BaseModel):
+    id: uuid.UUID
+    kind: str
+    version: int
+    status: str
+
+
+class RequestDetailOut(BaseModel):
+    id: uuid.UUID
+    title: str
+    requester: str
+    status: service.RequestStatus
+    progress: float
+    total_size: int
+    created_at: str
+    updated_at: str
+    infohash: str
+    webhook_url: str | None
+    approved_by: str | None
+    files: list[FileOut]
+    timeline: list[EventOut]
+    runs: list[RunOut]
+
+
+class RequestList(BaseModel):
+    requests: list[RequestOut]
+
+
+class Decision(BaseModel):
+    by: str = Field(default="api", max_length=200, description="who decided (on the timeline)")
+    reason: str | None = Field(default=None, max_length=500)
+
+
+class DecisionOut(BaseModel):
+    id: uuid.UUID
+    status: service.RequestStatus
+    runs_stopped: int = 0
+
+
+class HookOut(BaseModel):
+    topic: str
+    woken: int
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ApiError, "description": "bad input; nothing written"},
+    401: {"model": ApiError, "description": "missing or wrong bearer token"},
+    404: {"model": ApiError, "description": "no such request"},
+    409: {"model": ApiError, "description": "conflicts with the request's state or key"},
+}
+
+
+def error(status: int, exc: BaseException | str, kind: str | None = None) -> JSONResponse:
+    detail = str(exc)
+    name = kind or (type(exc).__name__ if isinstance(exc, BaseException) else "Error")
+    return JSONResponse({"detail": detail, "error": name}, status_code=status)
+
+
+def bearer_check(token: SecretStr | None, name: str) -> Any:
+    """A dependency that accepts exactly `Authorization: Bearer <token>` (constant time)."""
+
+    def check(authorization: Annotated[str | None, Header()] = None) -> None:
+        expected = token.get_secret_value() if token else ""
+        if not expected:
+            raise HTTPException(
+                401, f"{name} is not set on the server: this endpoint is disabled", _challenge()
+            )
+        scheme, _, value = (authorization or "").partition(" ")
+        sent = value.strip().encode()
+        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, expected.encode()):
+            raise HTTPException(401, f"missing or wrong bearer token ({name})", _challenge())
+
+    return check
+
+
+def _challenge() -> dict[str, str]:
+    return {"WWW-Authenticate": 'Bearer realm="proj api"'}
+
+
+def task_id_or_404(value: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise HTTPException(404, f"no request {value}") from None
+
+
+def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
+    """The `/api` routes; `engine` is the port the decisions signal and cancel through."""
+    api = APIRouter(prefix="/api", responses=ERRORS)
+    need_api = [Depends(bearer_check(settings.api_token, "API_TOKEN"))]
+    need_hook = [Depends(bearer_check(settings.hook_token, "HOOK_TOKEN"))]
+    max_bytes = settings.max_torrent_bytes
+
+    @api.post(
+        "/requests",
+        status_code=201,
+        response_model=RequestOut,
+        dependencies=need_api,
+        responses={413: {"model": ApiError, "description": "torrent over MAX_TORRENT_BYTES"}},
+        summary="Request a download (multipart upload of a .torrent)",
+    )
+    async def create_request(
+        request: Request,
+        torrent: Annotated[UploadFile, File(description="the .torrent file")],
+        requester: Annotated[str, Form(max_length=200)],
+        title: Annotated[str | None, Form(max_length=500)] = None,
+        webhook_url: Annotated[str | None, Form(max_length=2000)] = None,
+        idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    ) -> Any:
+        data = await torrent.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            return error(413, f"the torrent is over MAX_TORRENT_BYTES ({max_bytes} bytes)", "TorrentTooLarge")
+        try:
+            sub = service.submit_request(
+                db.sessions(),
+                requester=requester,
+                torrent=data,
+                title=title or None,
+                webhook_url=webhook_url or None,
+                client_key=idempotency_key,
+            )
+        except torrents.TorrentTooLarge as exc:
+            return error(413, exc)
+        except service.RequestConflict as exc:
+            return error(409, exc)
+        except BadInput as exc:
+            return error(400, exc)
+        with db.transaction() as s:
+            row = service.request_detail(s, sub.id).row
+        headers = {"Location": f"/api/requests/{sub.id}"}
+        if sub.replayed:
+            headers["Idempotent-Replayed"] = "true"
+        return JSONResponse(row.as_json(), status_code=201, headers=headers)
+
+    @api.get("/requests", response_model=RequestList, dependencies=need_api, summary="List requests")
+    def list_requests(
+        status: Annotated[str | None, Query(description="one status")] = None,
+        requester: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=service.LIST_LIMIT)] = 100,
+    ) -> Any:
+        try:
+            with db.transaction() as s:
+                rows = service.list_requests(s, status=status, requester=requester, limit=limit)
+        except BadInput as exc:
+            return error(400, exc)
+        return {"requests": [r.as_json() for r in rows]}
+
+    @api.get(
+        "/requests/{task_id}",
+        response_model=RequestDetailOut,
+        dependencies=need_api,
+        summary="One request: status, progress, files, timeline",
+    )
+    def get_request(task_id: str) -> Any:
+        tid = task_id_or_404(task_id)
+        try:
+            with db.transaction() as s:
+                return service.request_detail(s, tid).as_json()
+        except service.UnknownTask as exc:
+            return error(404, exc)
+
+    @api.post("/requests/{task_id}/approve", response_model=DecisionOut, dependencies=need_api)
+    def approve(task_id: str, body: Decision | None = None) -> Any:
+        tid = task_id_or_404(task_id)
+        by = (body or Decision()).by
+
+        def act() -> int:
+            service.approve_and_signal(engine, db.sessions(), tid, by)
+            return 0
+
+        return decide(tid, act)
+
+    @api.post("/requests/{task_id}/reject", response_model=DecisionOut, dependencies=need_api)
+    def reject(task_id: str, body: Decision) -> Any:
+        tid = task_id_or_404(task_id)
+        if not body.reason:
+            return error(400, "a reject needs a reason", "BadInput")
+        return decide(tid, lambda: service.reject_and_stop(engine, db.sessions(), tid, body.by, body.reason))
+
+    @api.post("/requests/{task_id}/cancel", response_model=DecisionOut, dependencies=need_api)
+    def cancel(task_id: str, body: Decision | None = None) -> Any:
+        tid = task_id_or_404(task_id)
+        d = body or Decision()
+        reason = d.reason or "canceled through the API"
+        return decide(tid, lambda: service.cancel_download(engine, db.sessions(), tid, reason, by=d.by))
+
+    def decide(tid: uuid.UUID, act: Any) -> Any:
+        try:
+            stopped = act()
+        except service.UnknownTask as exc:
+            return error(404, exc)
+        except service.RequestConflict as exc:
+            return error(409, exc)
+        except BadInput as exc:
+            return error(400, exc)
+        with db.transaction() as s:
+            status = service.load(s, tid).status
+        return {"id": str(tid), "status": status, "runs_stopped": stopped}
+
+    @api.post(
+        "/hooks/qbittorrent",
+        response_model=HookOut,
+        dependencies=need_hook,
+        summary="qBittorrent's on-finish hook (Run external program: curl … ?hash=%I)",
+    )
+    def qbittorrent_finished(
+        hash: Annotated[str, Query(description="the torrent's infohash (%I)")],  # noqa: A002
+    ) -> Any:
+        if not INFOHASH.match(hash):
+            return error(400, "hash must be a 40- or 64-hex-digit infohash", "BadInput")
+        topic = service.download_topic(hash.lower())
+        try:
+            woken = engine.signal(topic, {"source": "qbittorrent hook"})
+        except BadTopic as exc:
+            return error(400, exc)
+        return {"topic": topic, "woken": woken}
+
+    return api
+
+
+def too_large(request: Request, limit: int) -> bool:
+    """A body announced larger than a torrent plus its form is refused before it is read."""
+    length = request.headers.get("content-length")
+    return length is not None and length.isdigit() and int(length) > limit + FORM_OVERHEAD
