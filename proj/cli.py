@@ -423,12 +423,15 @@ def demo(
         False, "--engine-only", help="run the small `demo` kind instead (no qBittorrent needed)"
     ),
     parts: int = typer.Option(4, help="fan-out width of the --engine-only pipeline"),
+    serve: bool = typer.Option(
+        False, "--serve", help="then keep the stack up and serve /admin and /api: try it yourself"
+    ),
 ) -> None:
     """Walk a download request from approval to library file on a local qBittorrent swarm,
     printing its timeline (embedded Postgres and Redis when none are configured)."""
     from proj.demo import run_demo
 
-    raise typer.Exit(run_demo(engine_only=engine_only, parts=parts))
+    raise typer.Exit(run_demo(engine_only=engine_only, parts=parts, serve=serve))
 
 
 def main() -> None:

@@ -466,11 +466,17 @@ def shutdown(engine: Any, servers: Servers) -> None:
             reset_clients()
 
 
-def run_demo(*, engine_only: bool = False, parts: int = 4) -> int:
-    """`proj demo`: the acquisition pipeline, or with `engine_only` the `demo` kind."""
+def run_demo(*, engine_only: bool = False, parts: int = 4, serve: bool = False) -> int:
+    """`proj demo`: the acquisition pipeline, or with `engine_only` the `demo` kind. It ends by
+    printing the operator's path by CLI, browser and curl (`serve`: on this stack, kept up)."""
     if engine_only:
         return run_engine_demo(parts)
-    return run_acquisition_demo()
+    code = run_acquisition_demo(serve=serve)
+    if code == 0 and not serve:
+        from proj.demo_serve import print_howto
+
+        print_howto(console, None)
+    return code
 
 
 def guarded(body: Callable[[Servers, list[Any], float], tuple[int, Text]]) -> int:
@@ -961,7 +967,7 @@ def request(webhook: Webhook, swarm: Swarm) -> uuid.UUID:
         return service.request_download(s, requester="demo", torrent=swarm.torrent, webhook_url=webhook.url)
 
 
-def run_acquisition_demo() -> int:
+def run_acquisition_demo(*, serve: bool = False) -> int:
     """Request → approve → download → import → notify on a loopback swarm; 0 if all checks pass."""
     if shutil.which(QBT_BINARY) is None:
         console.print(
@@ -1009,6 +1015,13 @@ def run_acquisition_demo() -> int:
             lambda: service.approve_and_signal(engine, db.sessions(), task_id, "demo operator"),
             time.monotonic() + ACQ_TIMEOUT_S,
         )
-        return acquisition_outcome(task_id, snap, swarm, servers.webhook)
+        code, final = acquisition_outcome(task_id, snap, swarm, servers.webhook)
+        if code == 0 and serve:
+            from proj.demo_serve import serve as serve_front_door
+
+            console.print(final, soft_wrap=True)
+            assert servers.work is not None
+            serve_front_door(console, servers.work, swarm.torrent)
+        return code, final
 
     return guarded(body)

@@ -37,10 +37,16 @@ FINAL = re.compile(
 )
 ENGINE_FINAL = re.compile(r"^demo run ([0-9a-f-]{36}) succeeded in [0-9.]+s: (\{.*\})$", re.MULTILINE)
 DEMO_DB = f"{TEST_DB}_demo"  # next to this session's own database: concurrent sessions differ
-needs_qbittorrent = pytest.mark.skipif(
-    shutil.which("qbittorrent-nox") is None,
-    reason="qbittorrent-nox not installed (apt-get install qbittorrent-nox)",
-)
+
+
+@pytest.fixture
+def qbittorrent_installed() -> None:
+    """The full demo downloads through qbittorrent-nox: without it these fail, never skip."""
+    if shutil.which("qbittorrent-nox") is None:
+        pytest.fail("qbittorrent-nox is not installed: run `bash scripts/setup`")
+
+
+needs_qbittorrent = pytest.mark.usefixtures("qbittorrent_installed")
 
 
 def bare_env(**extra: str) -> dict[str, str]:
@@ -186,3 +192,82 @@ def test_demo_outcome_is_exit_1_unless_the_run_succeeded_with_the_right_result()
     assert outcome(rid, row("succeeded", {**good, "digests": ["x", "y"]}), 2)[0] == 1
     code, line = outcome(rid, row("running"), 2)
     assert (code, line.plain) == (1, f"demo run {rid} running: not finished after {TIMEOUT_S:.0f}s")
+
+
+@needs_qbittorrent
+@pytest.mark.timeout(240)
+def test_readme_demo_command_sets_itself_up_and_ends_with_the_operators_path() -> None:
+    """`bash scripts/demo` from a fresh shell (no venv on PATH): the demo, then how to do the
+    same by CLI, browser and curl, after the final line."""
+    env = bare_env(PATH="/usr/local/bin:/usr/bin:/bin")
+    proc = subprocess.run(
+        ["bash", "scripts/demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=220
+    )
+    final_line(proc, FINAL)
+    tail = proc.stdout[FINAL.search(proc.stdout).end() :]
+    for needle in (
+        "By CLI:",
+        "proj approve $ID",
+        "/admin",
+        "-F torrent=@FILE.torrent",
+        "/api/requests/ID/approve",
+    ):
+        assert needle in tail, proc.stdout
+    assert_nothing_left(proc.stdout, embedded=True)
+
+
+@needs_qbittorrent
+@pytest.mark.timeout(300)
+def test_demo_serve_lets_an_operator_request_and_approve_by_curl_and_cli(tmp_path: Path) -> None:
+    """`proj demo --serve`: after its own request, the printed commands work on its stack."""
+    import threading
+
+    import httpx
+
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "proj"), "demo", "--serve"],
+        cwd=ROOT,
+        env=bare_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        services.wait_for(lambda: any("serving until Ctrl-C" in ln for ln in lines), 150, what="--serve")
+        out = "".join(lines)
+        token = re.search(r'Bearer ([A-Za-z0-9_-]+)" -F torrent', out).group(1)
+        url = re.search(r"In a browser: (http://127\.0\.0\.1:\d+)/admin", out).group(1)
+        torrent = re.search(r"-F torrent=@(\S+)", out).group(1)
+        exports = dict(re.findall(r"(DATABASE_URL|BROKER_URL)=(\S+)", out))
+        assert set(exports) == {"DATABASE_URL", "BROKER_URL"}, out
+        env = bare_env(**{k: v.strip("'") for k, v in exports.items()})
+
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as api:
+            with open(torrent, "rb") as fh:
+                made = api.post("/api/requests", files={"torrent": fh}, data={"requester": "me"})
+            assert made.status_code == 201, made.text
+            tid = made.json()["id"]
+            listed = subprocess.run(
+                [str(VENV_BIN / "proj"), "requests"], env=env, capture_output=True, text=True, timeout=60
+            )
+            assert listed.returncode == 0 and tid in listed.stdout, listed.stdout + listed.stderr
+            approved = subprocess.run(
+                [str(VENV_BIN / "proj"), "approve", tid, "--by", "me"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert approved.returncode == 0, approved.stdout + approved.stderr
+            services.wait_for(
+                lambda: api.get(f"/api/requests/{tid}").json()["status"] == "imported", 90, what="import"
+            )
+            files = api.get(f"/api/requests/{tid}").json()["files"]
+            assert len(files) == len(PAYLOAD_FILES) and all(f["library"]["sha256"] for f in files)
+    finally:
+        proc.terminate()  # what Ctrl-C does (SIGTERM is turned into the same interrupt)
+        code = proc.wait(60)
+    assert code == 0, "".join(lines)
+    assert_nothing_left("".join(lines), embedded=True)

@@ -69,7 +69,7 @@ def advance_status(session: Session, task_id: uuid.UUID, status: str, **values: 
     moved = session.execute(
         update(DownloadTask)
         .where(DownloadTask.id == task_id, DownloadTask.status.in_(earlier))
-        .values(status=status, **values)
+        .values(status=status, updated_at=func.now(), **values)
     )
     return bool(moved.rowcount)
 
