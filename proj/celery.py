@@ -139,6 +139,11 @@ for _kind, _every in PERIODIC.items():
 @signals.worker_process_init.connect
 def _child_init(**_: object) -> None:
     db.reset_after_fork()
+    # Take this child's liveness lock and start its reaper now, not at its first claim: an idle
+    # child is what recovers a dead sibling's step in about a second (`proj.engine.liveness`).
+    from proj.engine.liveness import LIVENESS
+
+    LIVENESS.owner()
 
 
 @signals.worker_process_shutdown.connect

@@ -22,6 +22,11 @@ class Settings(BaseSettings):
 
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="step lease length")
     sweep_interval_s: float = Field(default=1.0, gt=0, description="beat period of the sweeper")
+    reap_interval_s: float = Field(
+        default=0.25,
+        ge=0,
+        description="how often a worker process looks for steps of dead workers (0: leases only)",
+    )
     republish_after_s: float = Field(
         default=30.0, gt=0, description="re-publish a pending step whose message seems lost"
     )

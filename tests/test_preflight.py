@@ -15,7 +15,10 @@ def test_budget_arithmetic() -> None:
         db_pool_size=5, db_max_overflow=5, worker_concurrency=4, expected_workers=3, reserved_connections=10
     )
     b = connection_budget(s, max_connections=100, superuser_reserved=3)
-    assert (b.worst_case, b.max_connections, b.fits) == (130, 97, False)
+    # 12 processes x (5 + 5 pooled + 1 liveness session) + 10 reserved
+    assert (b.worst_case, b.max_connections, b.fits) == (142, 97, False)
+    leases_only = connection_budget(s.model_copy(update={"reap_interval_s": 0}), 100, 3)
+    assert leases_only.worst_case == 130
 
 
 def test_budget_refused_against_the_real_server() -> None:

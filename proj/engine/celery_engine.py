@@ -65,6 +65,9 @@ class CeleryTaskEngine:
         check_connection_budget()
         self._stopping.clear()
         if "worker" in roles:
+            from proj.engine.liveness import LIVENESS
+
+            LIVENESS.owner()  # this process' liveness lock and reaper, before its first claim
             ready = threading.Event()
             # The remote-control (pidbox) consumer shares the worker thread's AMQP connection;
             # stopping it from another thread deadlocks py-amqp. Embedded workers do without it.
@@ -135,3 +138,7 @@ class CeleryTaskEngine:
         for t in self._threads:
             t.join(timeout=10)
         self._threads.clear()
+        if self._worker is None and not self._threads:
+            from proj.engine.liveness import LIVENESS
+
+            LIVENESS.stop()  # this process claims no more steps: its liveness session can go

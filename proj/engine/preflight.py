@@ -66,8 +66,10 @@ class Budget:
 
 
 def connection_budget(settings: Settings, max_connections: int, superuser_reserved: int) -> Budget:
-    """Every worker process may fill its pool and overflow; beat/admin/CLI use the reserve."""
-    per_process = settings.db_pool_size + settings.db_max_overflow
+    """Every worker process may fill its pool and overflow, and holds one liveness session
+    (`proj.engine.liveness`) unless `REAP_INTERVAL_S=0`; beat/admin/CLI use the reserve."""
+    liveness = 1 if settings.reap_interval_s > 0 else 0
+    per_process = settings.db_pool_size + settings.db_max_overflow + liveness
     processes = settings.expected_workers * settings.worker_concurrency
     worst = per_process * processes + settings.reserved_connections
     return Budget(
@@ -90,7 +92,8 @@ def check_connection_budget(settings: Settings | None = None) -> Budget:
         raise ConnectionBudgetExceeded(
             f"worst case {budget.worst_case} connections = {budget.processes} worker processes "
             f"(EXPECTED_WORKERS x WORKER_CONCURRENCY) x {budget.per_process} "
-            f"(DB_POOL_SIZE + DB_MAX_OVERFLOW) + {budget.reserved} reserved, but Postgres allows "
+            f"(DB_POOL_SIZE + DB_MAX_OVERFLOW + 1 liveness session) + {budget.reserved} reserved, "
+            f"but Postgres allows "
             f"{budget.max_connections}: lower the pools or concurrency, or raise max_connections"
         )
     return budget

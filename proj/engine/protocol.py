@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 import traceback
 import uuid
@@ -202,8 +200,11 @@ class InlineBudget:
 
 
 def worker_id() -> str:
-    """Who holds a lease: host and pid (pids change across prefork children)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """Who holds a lease: host and pid, and the liveness lock that says whether this process is
+    still alive (`proj.engine.liveness`: a dead owner's steps are recovered without the lease)."""
+    from proj.engine.liveness import LIVENESS
+
+    return LIVENESS.owner()
 
 
 def to_json(value: Any) -> str:

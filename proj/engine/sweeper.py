@@ -48,12 +48,18 @@ class SweepReport:
     published: int = 0
 
 
-def sweep() -> SweepReport:
-    """One tick of recovery; safe to run concurrently and as often as wanted."""
+def sweep(*, wait: bool = False) -> SweepReport:
+    """One tick of recovery; safe to run concurrently and as often as wanted.
+
+    `wait`: queue behind a sweep in progress instead of skipping: the liveness reaper has just
+    ended leases that sweep may have read too early to see (`proj.engine.liveness`).
+    """
     report = SweepReport()
     settings = get_settings()
     with db.transaction() as s:
-        if not s.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}):
+        if wait:
+            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK})
+        elif not s.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}):
             report.skipped = True
             return report
         expired = s.execute(

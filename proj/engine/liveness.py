@@ -1,0 +1,178 @@
+"""Crash-stop detection: a worker process that died gives its steps back within about a second,
+whatever the lease (DESIGN.md invariant 2).
+
+Why: a lease is the only safe signal for a worker that is *frozen* or *partitioned* (it may wake
+and try to commit), but a process that *died* (kill -9, OOM, a lost prefork child) is known dead
+at once, because Postgres ends its sessions when its sockets close. Waiting 15 s for its lease
+then is pure loss.
+
+How:
+- Each process that claims steps keeps one dedicated connection (`application_name
+  'proj-liveness'`) holding a session-level advisory lock on a random key of its own. Its lease
+  owner, written by the claim, names that key and the postmaster start time it was taken under:
+  `host:pid#<key>@<postmaster start, µs>`.
+- Every `REAP_INTERVAL_S` each such process runs `_END_LEASES_OF_DEAD_OWNERS` on that connection:
+  a running step whose owner's lock is no longer held by anyone, on the same postmaster, has its
+  lease end now. Then an ordinary `sweep()` recovers it, so fencing, retries, the attempt count,
+  slot hand-off and publishing are exactly those of an expired lease.
+- A frozen (SIGSTOP) or partitioned process keeps its session, so its lock, so its lease: it is
+  recovered by lease expiry only, and its late commit is refused by the token fence
+  (`tests/test_recovery_fast.py`). A Postgres restart drops every lock but kills no worker: the
+  postmaster start in the owner no longer matches, so those steps also fall back to the lease.
+- Without a liveness connection (database down at claim time, or `REAP_INTERVAL_S=0`) the owner
+  is plain `host:pid` and only the lease applies.
+
+Proof: `tests/test_recovery_fast.py` (kill -9 of a worker and of a prefork child with
+`LEASE_TTL_S=15`: resumed in about a second, the effect once; SIGSTOP keeps the lease).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+
+import psycopg
+
+from proj.settings import get_settings, sqlalchemy_url
+
+log = logging.getLogger(__name__)
+
+APPLICATION_NAME = "proj-liveness"
+
+# The key of a bigint advisory lock is split over pg_locks' classid (high 32 bits) and objid
+# (low 32 bits), with objsubid = 1. The owner suffix is `#<key>@<postmaster start, µs>`.
+_LOCK_AND_IDENTIFY = """
+    SELECT pg_try_advisory_lock(%(key)s),
+           (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint
+"""
+_END_LEASES_OF_DEAD_OWNERS = """
+    WITH held AS (
+        SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
+          FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    ), incarnation AS (
+        SELECT ((extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint)::text AS start
+    )
+    UPDATE engine.step s
+       SET lease_until = now() - interval '1 millisecond'
+     WHERE s.status = 'running' AND s.lease_until >= now()
+       AND s.lease_owner ~ '#[0-9]+@[0-9]+$'
+       AND split_part(s.lease_owner, '@', 2) = (SELECT start FROM incarnation)
+       AND split_part(split_part(s.lease_owner, '#', 2), '@', 1)::bigint NOT IN (SELECT key FROM held)
+ RETURNING s.id, s.lease_owner
+"""
+
+
+def _conninfo() -> str:
+    """The libpq form of DATABASE_URL (SQLAlchemy's `+psycopg` marker removed)."""
+    url = get_settings().require_database_url()
+    return sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+class Liveness:
+    """This process' liveness lock, its lease owner name, and the reaper loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._owner = ""
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def owner(self) -> str:
+        """The lease owner to write on a claim; takes the lock first, once per process."""
+        if self._pid != os.getpid():
+            self._start()
+        return self._owner or self._plain()
+
+    @staticmethod
+    def _plain() -> str:
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            # A forked child inherits the parent's connection object: never close or use it
+            # (closing would end the parent's session and so release the parent's lock).
+            self._conn, self._owner, self._pid = None, "", os.getpid()
+            self._stop.clear()
+            if get_settings().reap_interval_s <= 0:
+                return
+            self._connect()
+            self._thread = threading.Thread(target=self._loop, name="liveness-reaper", daemon=True)
+            self._thread.start()
+
+    def _connect(self) -> None:
+        """(Re)open the liveness session and take this process' lock; on failure, plain owner."""
+        key = secrets.randbits(62)
+        try:
+            conn = psycopg.connect(
+                _conninfo(), autocommit=True, application_name=APPLICATION_NAME, connect_timeout=5
+            )
+            row = conn.execute(_LOCK_AND_IDENTIFY, {"key": key}).fetchone()
+        except psycopg.Error as exc:
+            log.warning("liveness: no session (%s); this process falls back to its leases", exc)
+            self._owner = ""
+            return
+        assert row is not None and row[0], "a fresh random advisory key cannot be taken"
+        self._conn = conn
+        self._owner = f"{self._plain()}#{key}@{row[1]}"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(get_settings().reap_interval_s):
+            if self._pid != os.getpid():
+                return  # a forked child runs its own loop
+            try:
+                self.reap()
+            except psycopg.Error as exc:
+                log.warning("liveness: session lost (%s); reconnecting", exc)
+                self._reconnect()
+            except Exception:  # keep reaping; the lease path still recovers everything
+                log.exception("liveness: reap failed")
+
+    def _reconnect(self) -> None:
+        old, self._conn, self._owner = self._conn, None, ""
+        if old is not None:
+            with contextlib.suppress(psycopg.Error):
+                old.close()
+        time.sleep(min(1.0, get_settings().reap_interval_s))
+        self._connect()
+
+    def reap(self) -> int:
+        """End the leases of steps whose owner's session is gone, then recover them at once."""
+        if self._conn is None:
+            self._reconnect()
+            return 0
+        rows = self._conn.execute(_END_LEASES_OF_DEAD_OWNERS).fetchall()
+        if not rows:
+            return 0
+        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({r[1] for r in rows}))
+        recover_now()
+        return len(rows)
+
+    def stop(self) -> None:
+        """Release the lock (tests, `engine.stop()`): this process' leases stay as they are."""
+        self._stop.set()
+        conn, self._conn, self._owner, self._pid = self._conn, None, "", 0
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+
+def recover_now() -> None:
+    """Sweep now, queued behind a sweep in progress (which may have read before the leases
+    ended), so recovery does not wait for the next beat tick."""
+    from proj.engine.sweeper import sweep
+
+    sweep(wait=True)
+
+
+LIVENESS = Liveness()

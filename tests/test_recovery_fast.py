@@ -1,0 +1,136 @@
+"""Crash-stop recovery without waiting for the lease (issue #17, `proj.engine.liveness`).
+
+Workers run with the default lease of 15 s. A worker (or one prefork child) killed with SIGKILL
+mid-step has its step running elsewhere in about a second, and its effect happens once: the
+ledger reconciles the POST the dead attempt made. Beside it, a worker frozen with SIGSTOP keeps
+its session, so its lease: nothing is taken from it before the lease runs out, and then its late
+commit is refused (invariant 3). The bounds below are liveness bounds, far from the lease on
+purpose: they tell the two paths apart, they do not measure speed (`bench.recovery` does).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proj.engine import runs
+from tests.conftest import new_key
+from tests.kinds_effects import Receiver, lines_for, read_journal
+from tests.support.services import scalar, sql, wait_for
+from tests.test_ledger import _effects_input, _run_status, op_row
+
+LEASE = {"LEASE_TTL_S": "15", "SWEEP_INTERVAL_S": "1", "REAP_INTERVAL_S": "0.25"}
+FAST_BOUND_S = 5.0  # far below the 15 s lease: only the liveness path can be this quick
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def holding(inp: dict[str, Any]) -> dict[str, Any]:
+    return wait_for(
+        lambda: [e for e in read_journal(inp["journal"]) if e["event"] == "hold"], 30, what="the hold"
+    )[0]
+
+
+def attempt_started(run_id, attempt: int):
+    return scalar(
+        "SELECT a.started_at FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+        "WHERE s.run_id = %s AND a.attempt = %s",
+        (run_id, attempt),
+    )
+
+
+def assert_effect_once(inp: dict[str, Any], receiver: Receiver) -> None:
+    stored = op_row(f"http:{inp['op']}")
+    assert stored["status"] == "done" and stored["attempts"] == 2
+    assert stored["resolution"] == "reconciled"  # the dead attempt's POST was found, not redone
+    assert receiver.count(inp["op"]) == 1
+    assert len(lines_for(inp["path"], f"file:{inp['op']}")) == 1
+
+
+def test_kill_9_of_a_worker_resumes_in_about_a_second_at_a_15s_lease(procs, tmp_path: Path, receiver) -> None:
+    procs.worker("victim", concurrency=1, env=LEASE)
+    inp = _effects_input(tmp_path, receiver, hold_in="http", hold_when="after", hold_s=120.0)
+    ref = runs.enqueue("effects", inp, idempotency_key=new_key())
+    holding(inp)
+    assert receiver.count(inp["op"]) == 1  # the POST happened; the commit did not
+    procs.worker("rescuer", concurrency=1, env=LEASE)
+    procs.beat(env=LEASE)
+    lease_left = scalar(
+        "SELECT extract(epoch FROM lease_until - clock_timestamp()) FROM engine.step WHERE run_id = %s",
+        (ref.task_run_id,),
+    )
+    killed_at = scalar("SELECT clock_timestamp()")
+    procs.kill("victim")
+    wait_for(lambda: attempt_started(ref.task_run_id, 2), 30, what="the step to be claimed again")
+    resumed = (attempt_started(ref.task_run_id, 2) - killed_at).total_seconds()
+    assert lease_left > 8, f"the lease had only {lease_left:.1f}s left: the test proves nothing"
+    assert resumed < FAST_BOUND_S, f"resumed {resumed:.2f}s after the kill (lease left: {lease_left:.1f}s)"
+    wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 30, what="the run to finish")
+    assert_effect_once(inp, receiver)
+    print(f"kill -9 → claimed again in {resumed:.3f}s with {lease_left:.1f}s of lease left")
+
+
+def test_kill_9_of_one_prefork_child_resumes_in_about_a_second(procs, tmp_path: Path, receiver) -> None:
+    procs.worker("w", concurrency=2, env=LEASE)
+    procs.beat(env=LEASE)
+    inp = _effects_input(tmp_path, receiver, hold_in="http", hold_when="after", hold_s=120.0)
+    ref = runs.enqueue("effects", inp, idempotency_key=new_key())
+    child = holding(inp)["pid"]
+    assert child in procs.children("w")
+    killed_at = scalar("SELECT clock_timestamp()")
+    import os
+
+    os.kill(child, signal.SIGKILL)  # the main process lives on and forks a new child
+    wait_for(lambda: attempt_started(ref.task_run_id, 2), 30, what="the step to be claimed again")
+    resumed = (attempt_started(ref.task_run_id, 2) - killed_at).total_seconds()
+    assert resumed < FAST_BOUND_S, f"resumed {resumed:.2f}s after the child was killed"
+    wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 30, what="the run to finish")
+    assert_effect_once(inp, receiver)
+    worker = sql(
+        "SELECT a.worker FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+        "WHERE s.run_id = %s ORDER BY a.attempt",
+        (ref.task_run_id,),
+    )
+    assert f":{child}#" in worker[0][0] and f":{child}#" not in worker[1][0]
+
+
+def test_a_frozen_worker_keeps_its_lease_and_is_fenced_after_it(procs, tmp_path: Path, receiver) -> None:
+    """SIGSTOP keeps the process' Postgres session: the fast path must not fire; the lease does."""
+    procs.worker("frozen", concurrency=1, env=LEASE)
+    inp = _effects_input(tmp_path, receiver, hold_in="http", hold_when="after", hold_s=20.0)
+    ref = runs.enqueue("effects", inp, idempotency_key=new_key())
+    frozen_pid = holding(inp)["pid"]
+    procs.worker("rescuer", concurrency=1, env=LEASE)
+    procs.beat(env=LEASE)
+    procs.signal("frozen", signal.SIGSTOP)
+    stopped_at = scalar("SELECT clock_timestamp()")
+    try:
+        # Twelve reaper periods and more: a fast path mistaking a frozen worker for a dead one
+        # would have taken the step by now.
+        import time
+
+        time.sleep(3.0)
+        assert attempt_started(ref.task_run_id, 2) is None, "a frozen worker lost its step early"
+        wait_for(lambda: attempt_started(ref.task_run_id, 2), 40, what="the lease to expire")
+        taken = (attempt_started(ref.task_run_id, 2) - stopped_at).total_seconds()
+        assert taken > 8, f"taken over after {taken:.1f}s: sooner than a 15 s lease allows"
+        wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 40, what="the rescuer to finish")
+    finally:
+        procs.signal("frozen", signal.SIGCONT)
+    refused = wait_for(
+        lambda: [e for e in read_journal(inp["journal"]) if e["event"] == "refused"],
+        40,
+        what="the frozen attempt to try to go on",
+    )
+    assert [e["pid"] for e in refused] == [frozen_pid]
+    assert_effect_once(inp, receiver)
