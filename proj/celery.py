@@ -93,8 +93,18 @@ def register_step_tasks() -> None:
 
             starts = step_name == kind.start_step
 
-            def run_step(step_id: int, _starts: bool = starts) -> str:
-                return protocol.execute(int(step_id), starts_run=_starts)
+            def run_step(
+                step_id: int,
+                more: list[int] | None = None,
+                *,
+                _starts: bool = starts,
+                _task: tuple[str, str] = (name, kind.queue),
+            ) -> str:
+                # `more` is a keyword: a worker older than batched wakes refuses the message
+                # (unexpected argument) instead of misreading it; the sweeper re-sends singly.
+                return protocol.execute(
+                    int(step_id), starts_run=_starts, more=[int(i) for i in more or ()], task=_task
+                )
 
             app.task(name=name, ignore_result=True)(run_step)
     app.conf.task_queues = queues

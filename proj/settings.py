@@ -40,6 +40,13 @@ class Settings(BaseSettings):
         default=2.0, ge=0, description="and stops continuing inline once one delivery has run this long"
     )
 
+    wake_batch: int = Field(
+        default=16,
+        ge=1,
+        le=500,
+        description="steps woken together (signal, timers) travel N to a message (1: one each)",
+    )
+
     db_pool_size: int = Field(default=3, ge=1)
     db_ping_idle_s: float = Field(
         default=1.0,

@@ -28,6 +28,7 @@ import logging
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -471,9 +472,34 @@ def handoff(s: Session, kind: Kind, concurrency_key: str | None) -> list[Dispatc
 # execute
 
 
-def execute(step_id: int, starts_run: bool = False) -> str:
+def execute(
+    step_id: int,
+    starts_run: bool = False,
+    more: Sequence[int] = (),
+    task: tuple[str, str] | None = None,
+) -> str:
     """Run one delivery of a step message, and the chain after it while the inline budget
-    lasts; returns the outcome of the last step run (for logs and tests)."""
+    lasts; returns the outcome of the last step run (for logs and tests).
+
+    `more`: the other steps of a batched message (`dispatch.batched`, mass wakes), run one
+    after another, each claimed and committed as if it had its own message. Past
+    `INLINE_BUDGET_S` the rest go back to the broker as one message (`task`: its name and
+    queue), so one delivery never holds a worker slot much longer than an inline chain.
+    """
+    outcome = _deliver(step_id, starts_run)
+    began = time.monotonic()
+    rest = list(more)
+    while rest:
+        if time.monotonic() - began > get_settings().inline_budget_s and task is not None:
+            name, queue = task
+            dispatch.publish_after_commit([Dispatch(rest[0], name, queue, 0, tuple(rest[1:]))])
+            break
+        outcome = _deliver(rest.pop(0), starts_run)
+    return outcome
+
+
+def _deliver(step_id: int, starts_run: bool) -> str:
+    """One step message's worth of work: claim, run, and the inline chain after it."""
     c, kicks = _claim(step_id, starts_run)
     dispatch.publish_after_commit(kicks)
     outcome = "noop"
@@ -533,7 +559,7 @@ def _attempt(
         ctx.lease = lease
         try:
             if sdef.wait is not None:
-                outcome, to_publish = _run_wait(c, ctx, kind, sdef.wait)
+                outcome, to_publish = _run_wait(c, ctx, kind, sdef.wait, carry)
             else:
                 assert sdef.fn is not None
                 ctx.commit_hook = lambda session, result: commit_success(c, kind, result, session, carry)
@@ -1017,20 +1043,26 @@ def enqueue_compensation(s: Session, run: Any) -> list[Dispatch]:
 # waits (invariant 7)
 
 
-def _run_wait(c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec) -> tuple[str, list[Dispatch]]:
-    """Check the business truth; commit if it holds, otherwise park the run on its topic."""
+def _run_wait(
+    c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec, carry: Carry | None = None
+) -> tuple[str, list[Dispatch]]:
+    """Check the business truth; commit if it holds, otherwise park the run on its topic.
+
+    A wait that holds continues inline like any committed step (`carry`): a mass wake's next
+    steps run in the delivery that re-checked, not after another trip through the broker.
+    """
     topic = spec.topic(ctx)
     if spec.until is not None:
         until = spec.until(ctx)
         with db.transaction() as s:
             reached = bool(s.scalar(text("SELECT now() >= :u"), {"u": until}))
         if reached:
-            return "succeeded", commit_success(c, kind, {"slept_until": until.isoformat()})
+            return "succeeded", commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
         return park(c, topic, until=until)
     if spec.check is not None:
         value = spec.check(ctx)
         if value:
-            return "succeeded", commit_success(c, kind, value)
+            return "succeeded", commit_success(c, kind, value, carry=carry)
     else:
         with db.transaction() as s:
             sig = s.execute(
@@ -1038,7 +1070,7 @@ def _run_wait(c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec) -> tuple[s
                 {"t": topic},
             ).first()
         if sig is not None:
-            return "succeeded", commit_success(c, kind, {"signal": sig.payload})
+            return "succeeded", commit_success(c, kind, {"signal": sig.payload}, carry=carry)
     timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
     return park(c, topic, timeout_s=timeout)
 

@@ -347,7 +347,8 @@ def signal(topic: str, payload: Any = None) -> int:
             {"t": topic, "p": body},
         )
         out = wake(s, "s.wait_topic = :t", {"t": topic})
-    dispatch.publish_after_commit(out)
+    # Many waiters on one topic travel WAKE_BATCH to a message (`dispatch.batched`).
+    dispatch.publish_after_commit(dispatch.batched(out, dispatch.wake_batch_size()))
     return len(out)
 
 

@@ -97,7 +97,7 @@ def sweep(*, wait: bool = False) -> SweepReport:
             {"n": BATCH},
         )
         report.woken = len(woken)
-        to_publish.extend(woken)
+        to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
         cancels = s.scalars(
             text(
                 "SELECT id FROM engine.task_run WHERE cancel_requested_at IS NOT NULL "

@@ -1,0 +1,104 @@
+"""Mass wakes travel in batches (issue #17): one message per WAKE_BATCH woken steps.
+
+A signal that wakes many parked runs sends a few messages, each naming several step rows; the
+delivery claims and runs them one after another, each with its own claim, lease and fenced
+commit, so every run still goes through each step exactly once. Past the inline budget the rest
+of a batch goes back to the broker. `INLINE_STEPS=0` keeps one message per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from proj.engine import runs
+from proj.engine.dispatch import Dispatch, batched, wake_batch_size
+from proj.settings import get_settings
+from tests.conftest import BROKER, new_key
+from tests.support.services import scalar, wait_for
+
+
+def test_batched_groups_by_task_queue_and_priority_in_order() -> None:
+    items = [Dispatch(i, "k.v1.s", "k.v1", 0) for i in range(1, 8)]
+    items += [Dispatch(20, "k.v1.s", "k.v1", 5), Dispatch(30, "k.v1.t", "k.v1", 0)]
+    out = batched(items, 3)
+    assert [d.step_ids for d in out] == [(1, 2, 3), (4, 5, 6), (7,), (20,), (30,)]
+    assert [(d.task_name, d.priority) for d in out] == [("k.v1.s", 0)] * 3 + [("k.v1.s", 5), ("k.v1.t", 0)]
+    assert batched(items, 1) == items  # one message per step
+
+
+@pytest.fixture
+def wake_batch(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    monkeypatch.setenv("WAKE_BATCH", "8")
+    get_settings.cache_clear()
+    yield 8
+    monkeypatch.delenv("WAKE_BATCH")
+    get_settings.cache_clear()
+
+
+def test_per_message_mode_keeps_one_message_per_step(monkeypatch: pytest.MonkeyPatch, wake_batch) -> None:
+    assert wake_batch_size() == 8
+    monkeypatch.setenv("INLINE_STEPS", "0")
+    get_settings.cache_clear()
+    assert wake_batch_size() == 1
+
+
+def queued(queue: str) -> int:
+    """Messages waiting in a Redis queue (this file runs on Redis only, not in the AMQP matrix)."""
+    assert BROKER.startswith("redis://"), "counts messages in a Redis list"
+    return int(redis.Redis.from_url(BROKER).llen(queue))
+
+
+def park(procs, n: int, key: str) -> None:
+    procs.worker("parker", concurrency=2)
+    for _ in range(n):
+        runs.enqueue("gated", {"key": key, "timeout_s": 600}, idempotency_key=new_key())
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'waiting'") == n,
+        60,
+        what=f"{n} parked runs",
+    )
+    procs.kill("parker")
+
+
+def test_one_signal_wakes_forty_runs_with_five_messages_each_run_once(procs, wake_batch) -> None:
+    from tests.support.services import sql
+
+    key = new_key()
+    park(procs, 40, key)
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert runs.signal(f"approval:{key}") == 40
+    assert queued("gated.v1") == 40 // wake_batch  # nobody consumes yet: the messages wait
+    procs.worker("w", concurrency=2)
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 40,
+        60,
+        what="all 40 to wake and finish",
+    )
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 40
+    assert scalar("SELECT count(DISTINCT run_id) FROM testkit.execution WHERE step = 'after'") == 40
+    # Every wait step was claimed once to park and once after the wake: no more (parking does
+    # not consume an attempt, invariant 7, so the attempt records tell).
+    per_step = scalar(
+        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.step_attempt a "
+        "JOIN engine.step s ON s.id = a.step_id WHERE s.name = 'approval' GROUP BY s.id) c"
+    )
+    assert per_step == [2]
+
+
+def test_a_batch_past_its_budget_hands_the_rest_back(procs, wake_batch) -> None:
+    from tests.support.services import sql
+
+    key = new_key()
+    park(procs, 16, key)
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert runs.signal(f"approval:{key}") == 16
+    procs.worker("w", concurrency=1, env={"INLINE_BUDGET_S": "0"})  # every step hands the rest back
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 16,
+        60,
+        what="all 16 to finish one message at a time",
+    )
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 16
