@@ -1,11 +1,42 @@
-# One image for worker, beat, flower and admin (compose.yaml picks the command).
-FROM python:3.11-slim
-WORKDIR /app
-COPY pyproject.toml README.md alembic.ini ./
+# One image for migrate, worker, beat, Flower and admin (compose.yaml picks the command and
+# PROJ_ROLE, which the HEALTHCHECK reads). Users build it on the official Python image; CI
+# builds it on a local Debian base (`--build-arg BASE=local/bookworm`, scripts/docker-images).
+ARG BASE=python:3.11-slim-bookworm
+
+FROM ${BASE} AS build
+# Debian's python3 needs python3-venv; the official Python image has it already.
+RUN python3 -c "import ensurepip, venv" 2>/dev/null \
+ || (apt-get update && apt-get install -y --no-install-recommends python3-venv \
+     && rm -rf /var/lib/apt/lists/*)
+WORKDIR /src
+# docker-ca.crt: only where builds reach PyPI through a TLS-inspecting proxy (scripts/docker-images
+# copies the host's CA bundle); absent for users. It stays in this stage.
+COPY pyproject.toml README.md alembic.ini docker-ca.crt* ./
 COPY proj ./proj
 COPY ledger ./ledger
 COPY outbox ./outbox
 COPY migrations ./migrations
-RUN pip install --no-cache-dir -e .
-ENV PYTHONUNBUFFERED=1
+# A real (non-editable) install into a venv that the runtime stage copies as is.
+RUN if [ -f docker-ca.crt ]; then export PIP_CERT=/src/docker-ca.crt; fi \
+ && python3 -m venv /opt/proj \
+ && /opt/proj/bin/pip install --no-cache-dir --disable-pip-version-check . \
+ && /opt/proj/bin/proj --help > /dev/null
+
+FROM ${BASE}
+# The venv's interpreter is the base's python3: present in the official image, installed on Debian.
+RUN command -v python3 >/dev/null \
+ || (apt-get update && apt-get install -y --no-install-recommends python3 \
+     && rm -rf /var/lib/apt/lists/*)
+RUN useradd --system --uid 10001 --create-home --home-dir /home/proj proj \
+ && mkdir -p /library /downloads \
+ && chown proj /library /downloads
+COPY --from=build /opt/proj /opt/proj
+ENV PATH=/opt/proj/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    LIBRARY_ROOT=/library \
+    DOWNLOAD_DIR=/downloads \
+    PROJ_ROLE=worker
+USER proj
+WORKDIR /home/proj
+HEALTHCHECK --interval=10s --timeout=15s --start-period=40s --retries=5 CMD ["proj", "healthcheck"]
 CMD ["celery", "-A", "proj", "worker", "--loglevel", "INFO"]

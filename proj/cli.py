@@ -408,6 +408,60 @@ def admin(
     uvicorn.run(app, host=host, port=port, log_level="info", proxy_headers=False, server_header=False)
 
 
+@cli.command()
+def healthcheck(
+    role: str = typer.Option(
+        "worker", envvar="PROJ_ROLE", help="what this container runs: worker, beat, admin or flower"
+    ),
+    timeout: float = typer.Option(5.0, help="seconds before it counts as unhealthy"),
+) -> None:
+    """The Docker HEALTHCHECK: exit 0 when this container's process answers.
+
+    worker: its Celery node (`celery@<hostname>`) answers a ping; admin: /admin/healthz answers;
+    flower: /healthcheck answers; beat: Postgres and the broker answer (beat holds no port).
+    """
+    import socket
+    import urllib.request
+
+    def http_ok(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    if role == "worker":
+        from proj.celery import app
+
+        node = f"celery@{socket.gethostname()}"
+        ok = bool(app.control.ping(destination=[node], timeout=timeout))
+        what = f"worker {node}"
+    elif role == "admin":
+        ok, what = http_ok("http://127.0.0.1:8088/admin/healthz"), "admin on :8088"
+    elif role == "flower":
+        ok, what = http_ok("http://127.0.0.1:5555/healthcheck"), "flower on :5555"
+    elif role == "beat":
+        from sqlalchemy import text
+
+        from proj import db
+        from proj.celery import app
+
+        try:
+            with db.transaction() as s:
+                s.execute(text("SELECT 1"))
+            with app.connection_for_write() as conn:
+                conn.ensure_connection(max_retries=1, timeout=timeout)
+            ok = True
+        except Exception:
+            ok = False
+        what = "beat's Postgres and broker"
+    else:
+        errors.print(f"[red]unknown role {role!r}: worker, beat, admin or flower[/red]")
+        raise typer.Exit(2)
+    console.print(f"{what}: {'healthy' if ok else 'not answering'}")
+    raise typer.Exit(0 if ok else 1)
+
+
 @cli.command("lock-steps")
 def lock_steps() -> None:
     """Record step names per kind@version in proj/kinds/steps.lock.json (append-only)."""

@@ -5,6 +5,7 @@ Workers never migrate; they refuse to start with a message that says what to run
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,17 @@ from proj import db
 from proj.engine.errors import ConnectionBudgetExceeded, SchemaBehind
 from proj.settings import Settings, get_settings
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+def _migrations_dir() -> Path:
+    """The Alembic scripts: the `migrations` package, installed beside `proj` (a checkout, an
+    editable install or a wheel, as in the Docker image)."""
+    spec = importlib.util.find_spec("migrations")
+    if spec is not None and spec.origin:
+        return Path(spec.origin).resolve().parent
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+MIGRATIONS = _migrations_dir()
 
 
 def alembic_config(url: str | None = None) -> Config:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from sqlalchemy import select, update
@@ -57,10 +58,24 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
 
 
 def introduce_peers(infohash: str) -> None:
-    """Loopback swarms (tests, demo) have no DHT: tell qBittorrent where the seeders are."""
-    peers = [p.strip() for p in get_settings().qbt_peers.split(",") if p.strip()]
+    """Loopback swarms (tests, demo) have no DHT: tell qBittorrent where the seeders are.
+
+    `QBT_PEERS` may name hosts (`seeder:6881`, a container on the compose network): qBittorrent
+    takes addresses only, so names are resolved here.
+    """
+    peers = [resolve_peer(p.strip()) for p in get_settings().qbt_peers.split(",") if p.strip()]
     if peers:
         qbt.client().torrents_add_peers(peers=peers, torrent_hashes=infohash)
+
+
+def resolve_peer(peer: str) -> str:
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or host.replace(".", "").isdigit() or host.startswith("["):
+        return peer
+    try:
+        return f"{socket.gethostbyname(host)}:{port}"
+    except OSError:
+        return peer  # qBittorrent says what it makes of it
 
 
 def downloaded(ctx: StepContext) -> dict[str, Any] | None:

@@ -367,13 +367,15 @@ class LocalQbittorrent:
             cfg.setdefault(section, {}).update(items)
         return cfg
 
-    def _write_config(self) -> None:
+    def write_config(self) -> Path:
+        """Write the profile's qBittorrent.conf (also what the Docker image's entrypoint does)."""
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self._save_path.mkdir(parents=True, exist_ok=True)
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(render_ini(self.config()), encoding="ascii")
         os.chmod(tmp, 0o600)  # holds the password hash
         tmp.replace(self.config_path)
+        return self.config_path
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -403,7 +405,7 @@ class LocalQbittorrent:
         raise QbtHarnessError(f"qbittorrent {self.name} did not start: {last}") from last
 
     def _launch(self, timeout: float) -> None:
-        self._write_config()
+        self.write_config()
         cmd = [self.binary, f"--profile={self.profile_dir}"]
         if supports_confirm_legal_notice(self.binary):
             cmd.append("--confirm-legal-notice")
