@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -25,9 +24,10 @@ import httpx
 import pytest
 
 from proj.qbt.local import add_torrent, free_port, make_torrent, wait_seeding
+from tests.support.dockerkit import images  # noqa: F401 - the session fixture
 from tests.support.services import ROOT, wait_for
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(600), pytest.mark.usefixtures("images")]
 
 FILES = {"film.mkv": 6 * 1024 * 1024, "extras/notes.bin": 700 * 1024}
 SECRETS = {
@@ -36,26 +36,6 @@ SECRETS = {
     "HOOK_TOKEN": "hook-" + uuid.uuid4().hex,
 }
 APP_SERVICES = ("worker", "beat", "flower", "admin")
-
-
-def docker_ok() -> None:
-    """Fail (never skip) with the reason when Docker cannot be used here."""
-    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
-        pytest.fail("docker / docker-compose are not installed: run `bash scripts/setup`")
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True)
-    if info.returncode != 0:
-        pytest.fail(
-            f"the Docker daemon is not reachable (scripts/setup starts dockerd): {info.stderr[-500:]}"
-        )
-
-
-@pytest.fixture(scope="session")
-def images() -> None:
-    docker_ok()
-    built = subprocess.run(["bash", "scripts/docker-images"], cwd=ROOT, capture_output=True, text=True)
-    if built.returncode != 0:
-        pytest.fail(f"scripts/docker-images failed:\n{built.stdout[-2000:]}\n{built.stderr[-3000:]}")
-    print(built.stdout)
 
 
 @dataclass
@@ -127,7 +107,7 @@ class Stack:
 
 
 @pytest.fixture
-def stack(images: None, tmp_path: Path) -> Iterator[Stack]:
+def stack(tmp_path: Path) -> Iterator[Stack]:
     seed, hooks = tmp_path / "seed", tmp_path / "hooks"
     seed.mkdir()
     hooks.mkdir()
