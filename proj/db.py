@@ -37,11 +37,29 @@ def get_engine() -> Engine:
                     pool_size=s.db_pool_size,
                     max_overflow=s.db_max_overflow,
                     pool_recycle=1800,
-                    connect_args={"application_name": "proj", "connect_timeout": 5},
+                    connect_args={"application_name": "proj", "connect_timeout": 5, **tcp_params()},
                 )
                 _ping_when_idle(_engine, s.db_ping_idle_s)
                 _sessions = sessionmaker(_engine, expire_on_commit=False)
     return _engine
+
+
+def tcp_params() -> dict[str, int]:
+    """libpq TCP settings: a connection whose packets vanish (a partition, a dead host) errors
+    within about one lease instead of hanging a worker thread on a statement forever.
+
+    `tcp_user_timeout` bounds unacknowledged sends; keepalives probe an idle connection. Both
+    follow `LEASE_TTL_S`, so a partitioned worker learns of it about when its lease runs out
+    (`tests/test_faults_partition.py`).
+    """
+    lease = get_settings().lease_ttl_s
+    return {
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(lease / 3)),
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1000, int(lease * 1000)),
+    }
 
 
 def _ping_when_idle(engine: Engine, idle_s: float) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import os
+import shutil
 import sys
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +24,33 @@ def sha256_file(path: Path, chunk: int = CHUNK) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+class LibraryFull(OSError):
+    """The library's filesystem has no room: a clear reason for the dead letter, retried first.
+
+    Raised before a copy starts (`check_space`) and when a write fails with ENOSPC or EDQUOT in
+    the middle (`copy_file`, whose temp file is removed first). Proof:
+    `tests/test_faults_disk.py`.
+    """
+
+    def __init__(self, root: Path, needed: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, f"library full: needs {needed} bytes, {free} free on {root}")
+        self.root, self.needed, self.free = root, needed, free
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes for an unprivileged writer on `path`'s filesystem (its nearest existing dir)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_space(root: Path, needed: int) -> None:
+    """Refuse to start writing `needed` bytes under `root` when they cannot fit."""
+    free = free_bytes(root)
+    if needed > free:
+        raise LibraryFull(root, needed, free)
 
 
 def temp_path(dst: Path, token: str) -> Path:
@@ -100,8 +129,10 @@ def copy_file(
         checkpoint()
         os.replace(tmp, dst)
         _fsync_dir(dst.parent)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise LibraryFull(dst.parent, total, free_bytes(dst.parent)) from exc
         raise
     return {"path": str(dst), "size": done, "sha256": h.hexdigest()}
 

@@ -38,6 +38,7 @@ import time
 
 import psycopg
 
+from proj import db
 from proj.settings import get_settings, sqlalchemy_url
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,11 @@ class Liveness:
         key = secrets.randbits(62)
         try:
             conn = psycopg.connect(
-                _conninfo(), autocommit=True, application_name=APPLICATION_NAME, connect_timeout=5
+                _conninfo(),
+                autocommit=True,
+                application_name=APPLICATION_NAME,
+                connect_timeout=5,
+                **db.tcp_params(),
             )
             row = conn.execute(_LOCK_AND_IDENTIFY, {"key": key}).fetchone()
         except psycopg.Error as exc:

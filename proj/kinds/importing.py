@@ -4,11 +4,10 @@ file) → record library items and queue `notify` and `retire_seed`."""
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 import outbox
@@ -39,12 +38,21 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     task = load_task(ctx)
     meta = torrents.parse(task.torrent)
     torrents.verify_pieces(task.torrent, download_dir())
+    # Before the first byte is copied: the files not yet in the library must fit.
+    missing = sum(
+        f.size for f in meta.files if not _already_copied(library_path(task.id, library_rel(meta, f)), f.size)
+    )
+    library.check_space(library_root(), missing)
     result = {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
     with ctx.finish(result) as s:
         # A re-import repairs files (the task's story is done); a retry does not go back.
         if ctx.input.generation or service.advance_status(s, task.id, "importing"):
             service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
     return result
+
+
+def _already_copied(dst: Path, size: int) -> bool:
+    return dst.exists() and dst.stat().st_size == size
 
 
 def _paths(task: DownloadTask, rel_path: str) -> tuple[Path, Path, str]:
@@ -79,6 +87,7 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             att.check()
 
         library.remove_temp_files(dst)  # earlier attempts' leftovers; this attempt is current
+        library.check_space(dst.parent, size)  # clear reason now, rather than ENOSPC halfway
         return library.copy_file(
             src,
             dst,
@@ -105,7 +114,6 @@ def record(ctx: StepContext) -> dict[str, Any]:
     task = load_task(ctx)
     copies = ctx.result("copy")
     root = str(library_root())
-    seed_until = datetime.now(UTC) + timedelta(seconds=get_settings().seed_time_s)
     generation = ctx.input.generation
     result: dict[str, Any] = {"files": len(copies), **({"generation": generation} if generation else {})}
     with ctx.finish(result) as s:
@@ -144,12 +152,13 @@ def record(ctx: StepContext) -> dict[str, Any]:
                 outbox.OutboxEvent.kind == "retire_seed", outbox.OutboxEvent.idempotency_key == seed_key
             )
         )
-        outbox.add(
-            s,
-            "retire_seed",
-            seed_key,
-            queued or {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()},
-        )
+        if queued is None:
+            # The database's clock, not this worker's: a skewed host must not move the goal.
+            seed_until = s.scalar(
+                text("SELECT now() + make_interval(secs => :s)"), {"s": get_settings().seed_time_s}
+            )
+            queued = {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()}
+        outbox.add(s, "retire_seed", seed_key, queued)
     return result
 
 

@@ -35,7 +35,11 @@ class CutProxy:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def port(self) -> int:
+        return int(self._server.getsockname()[1])
 
     def _accept(self) -> None:
         while not self._stop.is_set():

@@ -1,0 +1,124 @@
+"""A network partition between a worker and Postgres (issue #18, item 4).
+
+The worker reaches Postgres through a loopback proxy port; iptables then drops every packet to
+and from that port (a blackhole: nothing is closed, nothing answers) for longer than the lease.
+- Its session stays open on the server, so the liveness fast path does not fire: the step is
+  taken over only when its lease runs out, by a worker with a working connection.
+- libpq's keepalives / `tcp_user_timeout` (`proj.db.tcp_params`) make the cut worker's
+  statements fail within about a lease instead of hanging.
+- After the partition heals, the cut attempt's commit is refused; the POST it made before the
+  cut is reconciled, not repeated: the effect happened once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proj.engine import runs
+from tests.conftest import new_key
+from tests.kinds_effects import Receiver, lines_for, read_journal
+from tests.support.proxy import CutProxy
+from tests.support.services import pg_url, scalar, sql, wait_for
+from tests.test_ledger import _effects_input, _run_status, op_row
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def pg_proxy() -> Iterator[CutProxy]:
+    proxy = CutProxy(upstream=("127.0.0.1", 5432), match=b"\\0never\\0", cuts=0)  # forwards only
+    yield proxy
+    proxy.close()
+
+
+class Blackhole:
+    """iptables rules dropping every packet to and from one loopback port (both directions)."""
+
+    def __init__(self, port: int) -> None:
+        self.rules = [
+            ["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
+            ["INPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"],
+        ]
+        self.on = False
+
+    def cut(self) -> None:
+        for rule in self.rules:
+            done = subprocess.run(["iptables", "-I", *rule], capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.fail(f"iptables cannot drop packets here (root needed): {done.stderr}")
+        self.on = True
+
+    def heal(self) -> None:
+        if self.on:
+            for rule in self.rules:
+                subprocess.run(["iptables", "-D", *rule], capture_output=True)
+            self.on = False
+
+
+def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
+    procs, tmp_path: Path, receiver: Receiver, pg_proxy: CutProxy
+) -> None:
+    cut_url = pg_url().replace("127.0.0.1:5432", f"127.0.0.1:{pg_proxy.port}")
+    assert cut_url != pg_url()
+    procs.worker("cut", concurrency=1, env={"DATABASE_URL": cut_url, "LEASE_TTL_S": "3"})
+    inp = _effects_input(tmp_path, receiver, hold_in="http", hold_when="after", hold_s=12.0)
+    ref = runs.enqueue("effects", inp, idempotency_key=new_key())
+    wait_for(lambda: [e for e in read_journal(inp["journal"]) if e["event"] == "hold"], 30, what="the hold")
+    assert receiver.count(inp["op"]) == 1  # posted; not yet committed
+    hole = Blackhole(pg_proxy.port)
+    try:
+        hole.cut()
+        cut_at = time.monotonic()
+        procs.worker("rescuer", concurrency=1)  # its own, working connection
+        procs.beat()
+        # Not before the lease: the session is still open on the server, so no fast path.
+        time.sleep(1.5)
+        assert (
+            scalar(
+                "SELECT count(*) FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+                "WHERE s.run_id = %s",
+                (ref.task_run_id,),
+            )
+            == 1
+        )
+        wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 60, what="the rescuer to finish")
+        taken = time.monotonic() - cut_at
+        # The cut worker's statements fail instead of hanging (heartbeat every lease/3).
+        wait_for(lambda: "lease heartbeat failed" in procs.log("cut"), 30, what="the cut worker to notice")
+        noticed = time.monotonic() - cut_at
+        print(f"partition: taken over after {taken:.1f}s; the cut worker noticed after {noticed:.1f}s")
+    finally:
+        hole.heal()
+    stored = op_row(f"http:{inp['op']}")
+    assert stored["status"] == "done" and stored["resolution"] == "reconciled"
+    # Healed: the cut attempt ends its hold and tries to go on; it is refused or fails, never commits.
+    wait_for(
+        lambda: (
+            [e for e in read_journal(inp["journal"]) if e["event"] == "refused"]
+            or "lease lost" in procs.log("cut")
+            or "refused" in procs.log("cut")
+        ),
+        60,
+        what="the cut attempt to be refused",
+    )
+    assert op_row(f"http:{inp['op']}") == stored, "the refused attempt changed the stored row"
+    assert receiver.count(inp["op"]) == 1
+    assert len(lines_for(inp["path"], f"file:{inp['op']}")) == 1
+    outcomes = sql(
+        "SELECT a.attempt, a.outcome FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+        "WHERE s.run_id = %s ORDER BY a.attempt",
+        (ref.task_run_id,),
+    )
+    assert outcomes[-1][1] == "succeeded" and all(o != "succeeded" for _, o in outcomes[:-1]), outcomes
