@@ -120,7 +120,7 @@ class Liveness:
                 autocommit=True,
                 application_name=APPLICATION_NAME,
                 connect_timeout=5,
-                **db.tcp_params(),
+                **db.tcp_params(),  # type: ignore[arg-type]  # libpq keywords psycopg passes on
             )
             row = conn.execute(_LOCK_AND_IDENTIFY, {"key": key}).fetchone()
         except psycopg.Error as exc:
@@ -159,7 +159,7 @@ class Liveness:
         rows = self._conn.execute(_END_LEASES_OF_DEAD_OWNERS).fetchall()
         if not rows:
             return 0
-        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({r[1] for r in rows}))
+        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({str(r[1]) for r in rows}))
         recover_now()
         return len(rows)
 

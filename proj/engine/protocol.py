@@ -28,7 +28,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -43,7 +43,7 @@ from proj.engine.context import PlanContext, StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, LeaseLost, NonRetryable
 from proj.engine.heartbeat import HEARTBEAT
-from proj.engine.kind import Kind, RetryPolicy, WaitSpec, all_kinds, get_kind
+from proj.engine.kind import Kind, RetryPolicy, StepDef, WaitSpec, all_kinds, get_kind
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -394,7 +394,7 @@ def _waiters(s: Session, gate: Gate, n: int, before: Any = None) -> list[Any]:
     if before is not None:
         better = _BETTER
         params.update(prio=before.priority, created=before.created_at, run=before.run_id)
-    return s.execute(text(_WAITERS.format(key=key, better=better)), params).all()
+    return list(s.execute(text(_WAITERS.format(key=key, better=better)), params).all())
 
 
 def blocked_fresh_s() -> float:
@@ -581,7 +581,9 @@ def _attempt(
     return outcome, to_publish, error
 
 
-def _commit_or_refuse(fn: Any, *args: Any) -> tuple[str, list[Dispatch]]:
+def _commit_or_refuse(
+    fn: Callable[..., tuple[str, list[Dispatch]]], *args: Any
+) -> tuple[str, list[Dispatch]]:
     try:
         return fn(*args)
     except LeaseLost as exc:
@@ -948,7 +950,7 @@ def create_stage(
     """
     st = kind.canvas[stage]
     inline = carry is not None and carry.parent.run_id == run_id and available_at is None
-    if inline and st.single and _claim_next(s, carry, kind, stage):
+    if carry is not None and inline and st.single and _claim_next(s, carry, kind, stage):
         return True, []
     rows = stage_rows(kind, stage, plan)
     due_now = available_at is None
@@ -959,7 +961,7 @@ def create_stage(
     return bool(rows["names"]), stage_dispatches(kind, inserted, priority) if due_now else []
 
 
-def stage_dispatches(kind: Kind, inserted: list[Any], priority: int) -> list[Dispatch]:
+def stage_dispatches(kind: Kind, inserted: Sequence[Any], priority: int) -> list[Dispatch]:
     """The messages for step rows a stage insert returned (`id`, `name`)."""
     return [dispatch.step_dispatch(r.id, kind.name, kind.version, r.name, priority) for r in inserted]
 
@@ -968,6 +970,7 @@ def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]
     """The step rows of `stage` as the array parameters of `_CREATE_STAGE`: one per static
     step, or one per item of a fan-out (none for an empty one)."""
     st = kind.canvas[stage]
+    rows: list[tuple[StepDef, int, str | None]]
     if st.over is not None:
         items = list(st.over(plan))
         rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]

@@ -324,7 +324,7 @@ def _pending_reason(row: Any) -> str | None:
     if row.due_at > row.db_now:
         return f"scheduled for {row.due_at.isoformat()}"
     if row.blocked_reason:
-        return row.blocked_reason
+        return str(row.blocked_reason)
     waited = (row.db_now - max(row.due_at, row.pending_since)).total_seconds()
     if waited > get_settings().republish_after_s:
         return (

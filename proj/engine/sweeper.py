@@ -140,7 +140,9 @@ def _slots(s: Session, run_ids: list[Any]) -> list[Any]:
     """The (kind, version, concurrency_key) of runs whose step lost its lease: slots to hand off."""
     if not run_ids:
         return []
-    return s.execute(
-        text("SELECT DISTINCT kind, version, concurrency_key FROM engine.task_run WHERE id = ANY(:ids)"),
-        {"ids": run_ids},
-    ).all()
+    return list(
+        s.execute(
+            text("SELECT DISTINCT kind, version, concurrency_key FROM engine.task_run WHERE id = ANY(:ids)"),
+            {"ids": run_ids},
+        ).all()
+    )
