@@ -8,7 +8,6 @@ declared its kinds. Each case runs in a fresh interpreter, where import order is
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 import textwrap
@@ -105,27 +104,3 @@ def test_importing_proj_builds_no_app() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (lazy imports in functions count too)."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
-
-
-def test_the_engine_never_imports_the_app_or_the_service() -> None:
-    """The engine is handed the app (`proj.engine.broker`); it imports no kinds, admin or CLI."""
-    banned = ("proj.celery", "proj.kinds", "proj.admin", "proj.acquisition", "proj.cli", "proj.demo")
-    offenders = {
-        f"{path.relative_to(ROOT)} imports {mod}"
-        for path in (ROOT / "proj" / "engine").rglob("*.py")
-        for mod in _imports(path)
-        if mod.startswith(banned) or mod == "proj.app"
-    }
-    assert not offenders, sorted(offenders)
