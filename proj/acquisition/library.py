@@ -35,7 +35,10 @@ class LibraryFull(OSError):
     """
 
     def __init__(self, root: Path, needed: int, free: int) -> None:
-        super().__init__(errno.ENOSPC, f"library full: needs {needed} bytes, {free} free on {root}")
+        super().__init__(
+            errno.ENOSPC,
+            f"library full: needs {needed} bytes, {free} free on {root} ({os.strerror(errno.ENOSPC)})",
+        )
         self.root, self.needed, self.free = root, needed, free
 
 

@@ -24,10 +24,12 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from proj.engine.status import RunStatus, StepStatus
+
 SCHEMA = "engine"
 
-RUN_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "canceled")
-STEP_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "canceled")
+RUN_STATUSES = tuple(RunStatus)
+STEP_STATUSES = tuple(StepStatus)
 
 
 class Base(DeclarativeBase):
@@ -56,6 +58,12 @@ class TaskRun(Base):
             "created_at",
             "id",
             postgresql_where=text("status = 'pending'"),
+        ),
+        Index(
+            "task_run_kind_key_idx",
+            "kind",
+            "concurrency_key",
+            postgresql_where=text("status IN ('pending','running','waiting')"),
         ),
         Index(
             "task_run_concurrency_idx",
@@ -99,6 +107,12 @@ class Step(Base):
         Index("step_lease_idx", "lease_until", postgresql_where=text("status = 'running'")),
         Index("step_wait_until_idx", "wait_until", postgresql_where=text("status = 'waiting'")),
         Index("step_wait_topic_idx", "wait_topic", postgresql_where=text("status = 'waiting'")),
+        Index(
+            "step_blocked_idx",
+            "run_id",
+            postgresql_where=text("status = 'pending' AND blocked_at IS NOT NULL"),
+        ),
+        Index("step_running_run_idx", "run_id", postgresql_where=text("status = 'running'")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -127,6 +141,10 @@ class Step(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # concurrency limits (0003): why a claim found no free slot, which limit, and when
+    blocked_reason: Mapped[str | None] = mapped_column(Text)
+    blocked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    blocked_on: Mapped[str | None] = mapped_column(Text)
 
 
 class StepAttempt(Base):

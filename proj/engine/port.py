@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 from uuid import UUID
 
-RunStatus = Literal["pending", "running", "waiting", "succeeded", "failed", "canceled"]
+from proj.engine.status import RunStatus
+
+__all__ = ("RunStatus", "TaskEngine", "TaskRunRef", "TaskRunView")
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,11 @@ from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, LeaseLost, NonRetryable
 from proj.engine.heartbeat import HEARTBEAT
 from proj.engine.kind import Kind, RetryPolicy, StepDef, WaitSpec, all_kinds, get_kind
+from proj.engine.status import TERMINAL
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("succeeded", "failed", "canceled")
 
 # The claim is one statement: it takes the lease, marks the run started and opens the attempt
 # record (same lock order as before: the step row, then the run row).

@@ -34,12 +34,12 @@ from proj.engine.kind import Kind, get_kind
 from proj.engine.port import TaskRunRef, TaskRunView
 from proj.engine.protocol import (
     STAGE_STEPS,
-    TERMINAL,
     create_stage,
     finalize_cancel,
     stage_dispatches,
     stage_rows,
 )
+from proj.engine.status import TERMINAL, RunStatus
 from proj.settings import get_settings
 
 TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
@@ -300,7 +300,7 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         id=row.id,
         kind=row.kind,
         version=row.version,
-        status=row.status,
+        status=RunStatus(row.status),
         current_step=row.current_step,
         attempts=row.step_attempts or 0,
         last_error=row.last_error,
