@@ -2,7 +2,7 @@
 
 `proj.app` (what `celery -A proj` finds) is built on first access, not on `import proj`: a kinds
 module that starts with `from proj import db` must be able to declare its kinds before the app
-reads them (`tests/test_wiring.py`).
+reads them (`tests/integration/test_wiring.py`).
 """
 
 from __future__ import annotations

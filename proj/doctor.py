@@ -181,7 +181,8 @@ def check_budget(settings: Settings) -> Check:
 def check_workers(settings: Settings) -> Check:
     """A worker answering a ping and the queues it consumes; a version queue that holds messages
     no worker consumes is a warning (an old run waiting for a worker of its version, invariant
-    10, or a kind no worker serves): `tests/test_cli.py::test_doctor_warns_of_a_queue_nobody_consumes`.
+    10, or a kind no worker serves). Proof:
+    `tests/integration/test_cli.py::test_doctor_warns_of_a_queue_nobody_consumes`.
     """
     try:
         from proj.celery import app

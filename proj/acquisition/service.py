@@ -151,7 +151,7 @@ def approve(session: Session, task_id: uuid.UUID, approved_by: str) -> None:
     """Write the approval (the truth the `acquire` wait checks) and its timeline event.
 
     Raises `RequestConflict` when the request was already approved, rejected or canceled:
-    a decision is taken once (`tests/test_front_door.py::test_decisions_are_taken_once`).
+    a decision is taken once (`tests/integration/test_front_door.py::test_decisions_are_taken_once`).
     """
     check_actor(approved_by)
     task = load(session, task_id, lock=True)
@@ -229,7 +229,7 @@ def submit_request(
 
     Same key and same body returns the request the first call made; same key and another body
     raises `KeyConflict`. Two concurrent first calls race on the unique index; the loser reads
-    the winner's row (`tests/test_front_door.py::test_idempotency_key`).
+    the winner's row (`tests/integration/test_front_door.py::test_idempotency_key`).
     """
     if client_key is not None and (not client_key or len(client_key) > 200 or not _storable(client_key)):
         raise BadInput("Idempotency-Key must be 1..200 characters")

@@ -3,7 +3,7 @@
 Why a binding and not an import: the app imports every kind, and every kind imports the engine.
 When the engine imported the app back, a kinds module whose first line was `from proj import db`
 built the app (and its list of served queues) before its own kinds were declared, and its runs
-stayed `pending` for ever (`tests/test_wiring.py`). Now the wiring module
+stayed `pending` for ever (`tests/integration/test_wiring.py`). Now the wiring module
 (`proj/celery.py`) builds the app and binds it here; the engine only asks for it.
 
 A process that never imported the wiring (a script that declares kinds, then uses the port) gets

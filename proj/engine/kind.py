@@ -238,7 +238,7 @@ def on_register(listener: Callable[[Kind], None]) -> None:
 
     Why: the wiring registers one Celery task and queue per served step when it builds the app;
     a kind declared after that (a script that imported the app first) must be served too
-    (`tests/test_wiring.py`).
+    (`tests/integration/test_wiring.py`).
     """
     _ON_REGISTER.append(listener)
 

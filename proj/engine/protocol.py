@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 # `(… ) IS TRUE` around the step's state keeps the planner on the primary key: a plain
 # `status = 'pending'` lets it pick the partial `step_due_idx` and filter it by id, which
 # statistics taken before a backlog built up make look cheap, and which is O(backlog) per claim
-# (`tests/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
+# (`tests/integration/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
 _CLAIM_BODY = """
     claimed AS (
         UPDATE engine.step s
@@ -92,7 +92,7 @@ _CLAIM = text("WITH" + _CLAIM_BODY.format(target=":id"))
 # `me` is materialized and read through scalar subqueries so that kind, version and the priority
 # bound reach `task_run_start_idx` as index conditions even in the generic plan of a prepared
 # statement (psycopg prepares after 5 runs); joined instead, they were a filter over every run of
-# the kind, finished ones included (`tests/test_limits.py::test_a_start_claim_probes_only_…`).
+# the kind, finished ones included (`tests/integration/test_limits.py::test_a_start_claim_probes_only_…`).
 _CLAIM_START = text(
     """
     WITH me AS MATERIALIZED (

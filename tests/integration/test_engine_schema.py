@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from proj.engine import models
 from proj.engine.status import RunStatus, StepStatus
+from tests.integration.test_ledger import schema_diff
 from tests.support.services import sql
-from tests.test_ledger import schema_diff
 
 
 def test_engine_models_match_the_migration() -> None:
