@@ -54,6 +54,9 @@ class CeleryTaskEngine:
     def get(self, task_run_id: UUID) -> TaskRunView | None:
         return runs.get(task_run_id)
 
+    def find(self, kind: str, idempotency_key: str) -> TaskRunView | None:
+        return runs.find(kind, idempotency_key)
+
     def start(self, *, roles: Sequence[str] = ("worker",), concurrency: int = 2) -> None:
         """Run a worker (`worker`) and/or the periodic sweeper (`beat`) in this process.
 

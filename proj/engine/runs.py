@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -40,6 +40,9 @@ from proj.engine.protocol import (
     stage_rows,
 )
 from proj.engine.status import TERMINAL, RunStatus
+from proj.engine.store import runs as store_runs
+from proj.engine.store import waits
+from proj.engine.store.waits import Woken
 from proj.settings import get_settings
 
 TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
@@ -316,6 +319,13 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
     )
 
 
+def find(kind: str, idempotency_key: str) -> TaskRunView | None:
+    """The run a `(kind, idempotency_key)` names, if it was ever enqueued (invariant 5)."""
+    with db.transaction() as s:
+        found = store_runs.find_by_keys(s, [(kind, idempotency_key)])
+    return get(found[0].id) if found else None
+
+
 def _pending_reason(row: Any) -> str | None:
     """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
     its version picked it up."""
@@ -346,35 +356,15 @@ def signal(topic: str, payload: Any = None) -> int:
             text("INSERT INTO engine.task_signal (topic, payload) VALUES (:t, CAST(:p AS jsonb))"),
             {"t": topic, "p": body},
         )
-        out = wake(s, "s.wait_topic = :t", {"t": topic})
+        out = woken_dispatches(waits.wake_topic(s, topic))
     # Many waiters on one topic travel WAKE_BATCH to a message (`dispatch.batched`).
     dispatch.publish_after_commit(dispatch.batched(out, dispatch.wake_batch_size()))
     return len(out)
 
 
-def wake(s: Session, where: str, params: Mapping[str, Any]) -> list[Dispatch]:
-    """Send parked steps back to work (signal or timer); the run shows `running` again."""
-    rows = s.execute(
-        text(
-            f"""
-            UPDATE engine.step s SET status = 'pending', next_attempt_at = now(),
-                   published_at = now()
-              FROM engine.task_run r
-             WHERE r.id = s.run_id AND s.status = 'waiting' AND {where}
-         RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
-            """
-        ),
-        dict(params),
-    ).all()
-    if rows:
-        s.execute(
-            text(
-                "UPDATE engine.task_run SET status = 'running', updated_at = now() "
-                "WHERE id = ANY(:ids) AND status = 'waiting'"
-            ),
-            {"ids": list({r.run_id for r in rows})},
-        )
-    return [step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in rows]
+def woken_dispatches(woken: Sequence[Woken]) -> list[Dispatch]:
+    """The messages for steps a wake sent back to work."""
+    return [step_dispatch(w.id, w.kind, w.version, w.name, w.priority) for w in woken]
 
 
 def cancel(run_id: uuid.UUID, reason: str) -> None:

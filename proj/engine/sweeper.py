@@ -27,7 +27,8 @@ from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
 from proj.engine.kind import get_kind
 from proj.engine.protocol import fail_run, finalize_cancel, handoff
-from proj.engine.runs import wake
+from proj.engine.runs import woken_dispatches
+from proj.engine.store import waits
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -91,11 +92,7 @@ def sweep(*, wait: bool = False) -> SweepReport:
             except UnknownKind:  # a version this process does not know: waiters are re-sent below
                 continue
             to_publish.extend(handoff(s, kind, key))
-        woken = wake(
-            s,
-            "s.id IN (SELECT id FROM engine.step WHERE status = 'waiting' AND wait_until <= now() LIMIT :n)",
-            {"n": BATCH},
-        )
+        woken = woken_dispatches(waits.wake_due_timers(s, BATCH))
         report.woken = len(woken)
         to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
         cancels = s.scalars(
