@@ -33,6 +33,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
+import proj.celery  # noqa: E402,F401  the wiring: every kind the tests name is declared (no service needed)
 from tests.support import services  # noqa: E402
 
 UNIT = os.path.join(_ROOT, "tests", "unit") + os.sep

@@ -4,7 +4,7 @@ Revision ID: 0005_start_order
 Revises: 0003_limits
 Create Date: 2026-12-02
 
-A start message may claim the pending run that should start first (`protocol._CLAIM_START`);
+A start message may claim the pending run that should start first (`store.claims.CLAIM_START`);
 this partial index makes that a probe of the few not-yet-started runs of one kind version.
 """
 

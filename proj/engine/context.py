@@ -10,35 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine.errors import CancelRequested, LeaseLost
 from proj.engine.heartbeat import Lease
 from proj.engine.kind import Kind
+from proj.engine.store import leases as sql
 from proj.settings import get_settings
-
-_FENCE = text(
-    """
-    UPDATE engine.step SET lease_until = now() + make_interval(secs => :ttl)
-     WHERE id = :id AND lease_token = :tok AND status = 'running'
- RETURNING id
-    """
-)
-_CANCELLED = text("SELECT cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = :id")
-_PROGRESS = text("UPDATE engine.step SET progress = CAST(:p AS jsonb) WHERE id = :id AND lease_token = :tok")
 
 
 def load_results(session: Session, run_id: uuid.UUID, kind: Kind) -> dict[str, Any]:
     """Committed results by step name; a fan-out step gives the list in item order."""
-    rows = session.execute(
-        text(
-            "SELECT stage, name, result FROM engine.step WHERE run_id = :id "
-            "AND status = 'succeeded' ORDER BY stage, item_index"
-        ),
-        {"id": run_id},
-    ).all()
+    rows = session.execute(sql.RESULTS, {"id": run_id}).all()
     out: dict[str, Any] = {}
     for stage, name, result in rows:
         if stage < len(kind.canvas) and kind.canvas[stage].over is not None:
@@ -112,7 +96,7 @@ class StepContext(PlanContext):
         if now - self._cancel_checked_at >= 0.2:
             self._cancel_checked_at = now
             with db.transaction() as s:
-                self._cancel_cached = bool(s.scalar(_CANCELLED, {"id": self.run_id}))
+                self._cancel_cached = bool(s.scalar(sql.CANCEL_REQUESTED, {"id": self.run_id}))
         return self._cancel_cached
 
     def checkpoint(self) -> None:
@@ -126,7 +110,7 @@ class StepContext(PlanContext):
         """Inside `session`'s transaction: lock this attempt's step row while it still holds the
         lease (and extend it), or raise `LeaseLost`. Every fenced write starts with this."""
         row = session.execute(
-            _FENCE, {"ttl": get_settings().lease_ttl_s, "id": self.step_id, "tok": self.token}
+            sql.FENCE, {"ttl": get_settings().lease_ttl_s, "id": self.step_id, "tok": self.token}
         ).first()
         if row is None:
             if self.lease is not None:
@@ -166,4 +150,4 @@ class StepContext(PlanContext):
 
         payload = {"done": done, "total": total, "message": message, "at": time.time()}
         with db.transaction() as s:
-            s.execute(_PROGRESS, {"p": json.dumps(payload), "id": self.step_id, "tok": self.token})
+            s.execute(sql.PROGRESS, {"p": json.dumps(payload), "id": self.step_id, "tok": self.token})

@@ -14,23 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sqlalchemy import text
-
 from proj import db
+from proj.engine.store import leases as sql
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
-
-_RENEW = text(
-    """
-    UPDATE engine.step s
-       SET lease_until = now() + make_interval(secs => :ttl)
-      FROM unnest(CAST(:ids AS bigint[]), CAST(:toks AS uuid[])) AS l(id, tok)
-     WHERE s.id = l.id AND s.lease_token = l.tok AND s.status = 'running'
- RETURNING s.id,
-           (SELECT r.cancel_requested_at IS NOT NULL FROM engine.task_run r WHERE r.id = s.run_id)
-    """
-)
 
 
 @dataclass
@@ -96,7 +84,7 @@ class Heartbeat:
         """Extend all leases in one statement; a missing row means the lease is gone."""
         with db.transaction() as s:
             rows = s.execute(
-                _RENEW,
+                sql.RENEW,
                 {
                     "ttl": get_settings().lease_ttl_s,
                     "ids": [lease.step_id for lease in leases],

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from proj.engine import broker
 from proj.engine.errors import UnknownKind
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ class Kind:
         When the first stage has more rows (a group, a fan-out), the rest are held back until
         item 0 is claimed (`holds_start_siblings`). A first step that waits (`acquire` waits
         for its approval) is a start step too: which run parks first is ordered the same way.
-        Limited kinds order their starts in the admission line instead (`protocol._admit`).
+        Limited kinds order their starts in the admission line instead (`admission.admit`).
         """
         if self.has_limits:
             return None
@@ -257,16 +258,28 @@ def register(kind: Kind) -> Kind:
 
 
 def get_kind(name: str, version: int | None = None) -> Kind:
-    """The kind at `version`, or its current (highest) version."""
-    if version is not None:
-        kind = _REGISTRY.get((name, version))
-        if kind is None:
-            raise UnknownKind(f"unknown kind {name}@{version}")
+    """The kind at `version`, or its current (highest) version.
+
+    A name this process does not know yet loads the wiring once (`proj.engine.broker.app`: the
+    service's kinds and `ENGINE_EXTRA_KINDS`), so an engine entry point used before anything
+    built the app still knows every configured kind (`tests/integration/test_wiring.py`).
+    """
+    kind = _lookup(name, version)
+    if kind is None and broker.bound() is None:
+        broker.app()
+        kind = _lookup(name, version)
+    if kind is not None:
         return kind
+    if version is not None:
+        raise UnknownKind(f"unknown kind {name}@{version}")
+    raise UnknownKind(f"unknown kind {name!r}; known: {sorted(kind_names())}")
+
+
+def _lookup(name: str, version: int | None) -> Kind | None:
+    if version is not None:
+        return _REGISTRY.get((name, version))
     versions = [v for (n, v) in _REGISTRY if n == name]
-    if not versions:
-        raise UnknownKind(f"unknown kind {name!r}; known: {sorted(kind_names())}")
-    return _REGISTRY[(name, max(versions))]
+    return _REGISTRY[(name, max(versions))] if versions else None
 
 
 def kind_names() -> set[str]:

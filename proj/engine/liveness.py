@@ -11,7 +11,7 @@ How:
   'proj-liveness'`) holding a session-level advisory lock on a random key of its own. Its lease
   owner, written by the claim, names that key and the postmaster start time it was taken under:
   `host:pid#<key>@<postmaster start, µs>`.
-- Every `REAP_INTERVAL_S` each such process runs `_END_LEASES_OF_DEAD_OWNERS` on that connection:
+- Every `REAP_INTERVAL_S` each such process runs `store.leases.END_LEASES_OF_DEAD_OWNERS` on that connection:
   a running step whose owner's lock is no longer held by anyone, on the same postmaster, has its
   lease end now. Then an ordinary `sweep()` recovers it, so fencing, retries, the attempt count,
   slot hand-off and publishing are exactly those of an expired lease.
@@ -35,39 +35,17 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import psycopg
 
 from proj import db
+from proj.engine.store import leases as sql
 from proj.settings import get_settings, sqlalchemy_url
 
 log = logging.getLogger(__name__)
 
 APPLICATION_NAME = "proj-liveness"
-
-# The key of a bigint advisory lock is split over pg_locks' classid (high 32 bits) and objid
-# (low 32 bits), with objsubid = 1. The owner suffix is `#<key>@<postmaster start, µs>`.
-_LOCK_AND_IDENTIFY = """
-    SELECT pg_try_advisory_lock(%(key)s),
-           (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint
-"""
-_END_LEASES_OF_DEAD_OWNERS = """
-    WITH held AS (
-        SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
-          FROM pg_locks l
-         WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-    ), incarnation AS (
-        SELECT ((extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint)::text AS start
-    )
-    UPDATE engine.step s
-       SET lease_until = now() - interval '1 millisecond'
-     WHERE s.status = 'running' AND s.lease_until >= now()
-       AND s.lease_owner ~ '#[0-9]+@[0-9]+$'
-       AND split_part(s.lease_owner, '@', 2) = (SELECT start FROM incarnation)
-       AND split_part(split_part(s.lease_owner, '#', 2), '@', 1)::bigint NOT IN (SELECT key FROM held)
- RETURNING s.id, s.lease_owner
-"""
 
 
 def _conninfo() -> str:
@@ -122,7 +100,7 @@ class Liveness:
                 connect_timeout=5,
                 **db.tcp_params(),  # type: ignore[arg-type]  # libpq keywords psycopg passes on
             )
-            row = conn.execute(_LOCK_AND_IDENTIFY, {"key": key}).fetchone()
+            row = conn.execute(sql.LOCK_AND_IDENTIFY, {"key": key}).fetchone()
         except psycopg.Error as exc:
             log.warning("liveness: no session (%s); this process falls back to its leases", exc)
             self._owner = ""
@@ -156,7 +134,7 @@ class Liveness:
         if self._conn is None:
             self._reconnect()
             return 0
-        rows = self._conn.execute(_END_LEASES_OF_DEAD_OWNERS).fetchall()
+        rows = self._conn.execute(sql.END_LEASES_OF_DEAD_OWNERS).fetchall()
         if not rows:
             return 0
         log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({str(r[1]) for r in rows}))
@@ -172,12 +150,20 @@ class Liveness:
                 conn.close()
 
 
-def recover_now() -> None:
-    """Sweep now, queued behind a sweep in progress (which may have read before the leases
-    ended), so recovery does not wait for the next beat tick."""
-    from proj.engine.sweeper import sweep
+_recover: list[Callable[[], object]] = []
 
-    sweep(wait=True)
+
+def on_dead_owners(recover: Callable[[], object]) -> None:
+    """What to run once leases of dead owners were ended: the sweeper registers a sweep queued
+    behind one in progress (which may have read before the leases ended), so recovery does not
+    wait for the next beat tick. A callback, not an import: the sweeper imports the engine,
+    which imports this module."""
+    _recover[:] = [recover]
+
+
+def recover_now() -> None:
+    for recover in _recover:
+        recover()
 
 
 LIVENESS = Liveness()

@@ -18,22 +18,25 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine import dispatch
+from proj.engine.admission import handoff
+from proj.engine.chain import finalize_cancel
+from proj.engine.commits import fail_run
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
 from proj.engine.kind import get_kind
-from proj.engine.protocol import fail_run, finalize_cancel, handoff
+from proj.engine.liveness import on_dead_owners
 from proj.engine.runs import woken_dispatches
+from proj.engine.store import recovery as sql
 from proj.engine.store import waits
+from proj.engine.store.recovery import SWEEP_LOCK
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
 
-SWEEP_LOCK = 0x5EE9_0001
 BATCH = 1000
 
 
@@ -59,27 +62,11 @@ def sweep(*, wait: bool = False) -> SweepReport:
     settings = get_settings()
     with db.transaction() as s:
         if wait:
-            s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK})
-        elif not s.scalar(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SWEEP_LOCK}):
+            s.execute(sql.LOCK_SWEEP, {"k": SWEEP_LOCK})
+        elif not s.scalar(sql.TRY_LOCK_SWEEP, {"k": SWEEP_LOCK}):
             report.skipped = True
             return report
-        expired = s.execute(
-            text(
-                """
-                UPDATE engine.step
-                   SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'pending' END,
-                       error = jsonb_build_object('type', 'LeaseExpired', 'message',
-                               'worker ' || coalesce(lease_owner, '?') || ' stopped renewing its lease'),
-                       lease_token = NULL, lease_until = NULL, published_at = NULL,
-                       next_attempt_at = now()
-                 WHERE id IN (SELECT id FROM engine.step WHERE status = 'running'
-                               AND lease_until < now() ORDER BY lease_until LIMIT :n
-                               FOR UPDATE SKIP LOCKED)
-             RETURNING id, run_id, status, name, attempts, error
-                """
-            ),
-            {"n": BATCH},
-        ).all()
+        expired = s.execute(sql.EXPIRE_LEASES, {"n": BATCH}).all()
         report.expired = len(expired)
         for row in expired:
             if row.status == "failed":
@@ -95,35 +82,11 @@ def sweep(*, wait: bool = False) -> SweepReport:
         woken = woken_dispatches(waits.wake_due_timers(s, BATCH))
         report.woken = len(woken)
         to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
-        cancels = s.scalars(
-            text(
-                "SELECT id FROM engine.task_run WHERE cancel_requested_at IS NOT NULL "
-                "AND status IN ('pending', 'running', 'waiting') LIMIT :n"
-            ),
-            {"n": BATCH},
-        ).all()
+        cancels = s.scalars(sql.CANCELS_TO_FINISH, {"n": BATCH}).all()
         for run_id in cancels:
             to_publish.extend(finalize_cancel(s, run_id))
         report.cancel_checked = len(cancels)
-        due = s.execute(
-            text(
-                """
-                UPDATE engine.step s SET published_at = now()
-                  FROM engine.task_run r
-                 WHERE s.id IN (
-                        SELECT p.id FROM engine.step p JOIN engine.task_run pr ON pr.id = p.run_id
-                         WHERE p.status = 'pending' AND p.next_attempt_at <= now()
-                           AND (p.published_at IS NULL
-                                OR p.published_at < now() - make_interval(secs => :again))
-                         ORDER BY pr.priority DESC, p.next_attempt_at LIMIT :n
-                         FOR UPDATE OF p SKIP LOCKED)
-                   AND r.id = s.run_id AND r.status IN ('pending', 'running', 'waiting')
-                   AND r.cancel_requested_at IS NULL
-             RETURNING s.id, s.name, r.kind, r.version, r.priority, s.next_attempt_at
-                """
-            ),
-            {"again": settings.republish_after_s, "n": BATCH},
-        ).all()
+        due = s.execute(sql.PUBLISH_DUE, {"again": settings.republish_after_s, "n": BATCH}).all()
         due = sorted(due, key=lambda r: (-r.priority, r.next_attempt_at))  # RETURNING has no order
         to_publish.extend(step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in due)
         report.published = len(due)
@@ -137,9 +100,9 @@ def _slots(s: Session, run_ids: list[Any]) -> list[Any]:
     """The (kind, version, concurrency_key) of runs whose step lost its lease: slots to hand off."""
     if not run_ids:
         return []
-    return list(
-        s.execute(
-            text("SELECT DISTINCT kind, version, concurrency_key FROM engine.task_run WHERE id = ANY(:ids)"),
-            {"ids": run_ids},
-        ).all()
-    )
+    return list(s.execute(sql.SLOTS_OF_RUNS, {"ids": run_ids}).all())
+
+
+# The liveness reaper recovers a dead worker's steps at once, through a sweep that waits for one
+# in progress (`proj.engine.liveness`, `tests/faults/test_recovery_fast.py`).
+on_dead_owners(lambda: sweep(wait=True))

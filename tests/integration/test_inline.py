@@ -1,4 +1,4 @@
-"""Linear chains continue in the worker that ran the previous step (`protocol.Carry`).
+"""Linear chains continue in the worker that ran the previous step (`attempts.Carry`).
 
 The next step is claimed in the transaction that commits the previous one, so it needs no
 message. These tests call `protocol.execute` directly (no Celery) and record what would be
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proj.engine import dispatch, protocol, runs
+from proj.engine import chain, dispatch, protocol, runs
 from proj.settings import get_settings
 from tests.conftest import new_key
 from tests.support.services import scalar, sql
@@ -121,7 +121,7 @@ def sent_sql(monkeypatch) -> dict[str, list[str]]:
 
 def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> None:
     """The claim and each commit are single statements in autocommit: no BEGIN/COMMIT round
-    trips, no second statement to advance the run (`protocol._commit_alone`)."""
+    trips, no second statement to advance the run (`chain.commit_alone`)."""
     ref = runs.enqueue("probe", {"n": 4}, idempotency_key=new_key())
     first = _first_step(ref.task_run_id)
     sent_sql["statements"].clear()
@@ -150,13 +150,13 @@ def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> Non
 
 def _before_the_commit(monkeypatch, act) -> None:
     """Run `act(claim)` between a step's body and its one-statement commit."""
-    real = protocol._commit_alone
+    real = chain.commit_alone
 
     def commit(c, kind, payload, carry):
         act(c)
         return real(c, kind, payload, carry)
 
-    monkeypatch.setattr(protocol, "_commit_alone", commit)
+    monkeypatch.setattr(chain, "commit_alone", commit)
 
 
 def test_a_cancel_asked_during_a_step_stops_the_chain_at_its_commit(published, monkeypatch) -> None:

@@ -394,7 +394,7 @@ def test_a_claim_reads_its_step_by_primary_key_under_a_backlog() -> None:
     """Statistics taken when nothing was pending, then a backlog of 1,500 pending steps: a claim
     still reads its step by primary key, not by scanning the partial index of pending steps."""
     from proj import db
-    from proj.engine import protocol
+    from proj.engine.store import admission, claims
 
     _finished_runs("ranked", 3000)
     sql(
@@ -406,9 +406,9 @@ def test_a_claim_reads_its_step_by_primary_key_under_a_backlog() -> None:
         for _ in range(1500):
             runs.insert_run(s, "ranked", {"hold_s": 0}, idempotency_key=new_key())
     step_id = scalar("SELECT max(id) FROM engine.step WHERE status = 'pending'")
-    plan = _generic_plan(protocol._CLAIM, _claim_values(step_id), CLAIM_TYPES)
+    plan = _generic_plan(claims.CLAIM, _claim_values(step_id), CLAIM_TYPES)
     assert "Index Scan using step_pkey on step s" in plan and "step_due_idx" not in plan, plan
-    slot = _generic_plan(protocol._SLOT_OF, {"id": str(step_id)}, {"id": "bigint"})  # limited kinds
+    slot = _generic_plan(admission.SLOT_OF, {"id": str(step_id)}, {"id": "bigint"})  # limited kinds
     assert "Index Scan using step_pkey on step s" in slot and "step_due_idx" not in slot, slot
 
 
@@ -421,14 +421,14 @@ def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
     kind per claim when statistics were stale, which made starts O(runs) under a backlog."""
     import re
 
-    from proj.engine import protocol
+    from proj.engine.store import claims
 
     ref = runs.enqueue("ranked", {"hold_s": 0}, idempotency_key=new_key(), priority=1)
     _finished_runs("ranked", 2000)
     if analyzed:
         sql("ANALYZE engine.task_run, engine.step")
     step_id = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
-    plan = _generic_plan(protocol._CLAIM_START, _claim_values(step_id), CLAIM_TYPES)
+    plan = _generic_plan(claims.CLAIM_START, _claim_values(step_id), CLAIM_TYPES)
     better = plan[plan.index("CTE better") : plan.index("CTE claimed")]
     assert re.search(
         r"Index Scan using task_run_start_idx on task_run r2 [^\n]*\n\s+Index Cond: "

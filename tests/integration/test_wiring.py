@@ -104,3 +104,27 @@ def test_importing_proj_builds_no_app() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_an_engine_entry_point_used_first_knows_the_configured_kinds() -> None:
+    """`runs.enqueue` before anything built the app: the unknown name loads the wiring once
+    (the service's kinds and ENGINE_EXTRA_KINDS), instead of refusing a configured kind."""
+    code = textwrap.dedent(
+        """
+        import sys, uuid
+        from proj.engine import runs
+        assert "proj.celery" not in sys.modules
+        ref = runs.enqueue("probe", {"n": 1}, idempotency_key=uuid.uuid4().hex)
+        assert runs.get(ref.task_run_id).status == "pending"
+        assert "proj.celery" in sys.modules
+        try:
+            runs.enqueue("no_such_kind", {}, idempotency_key="k")
+        except Exception as exc:
+            assert type(exc).__name__ == "UnknownKind", exc
+        else:
+            raise AssertionError("an unknown kind was accepted")
+        print("OK")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Reading runs by what business code knows of them: their kind and idempotency key.
+"""Reading runs: the port's view of one, and runs by what business code knows of them (their
+kind and idempotency key).
 
 Business code (acquisition, admin, CLI) names its runs by key (`acquire:<request id>`), never
 by reading `engine.task_run` itself; this is that read, in the caller's transaction when it has
@@ -16,6 +17,25 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj.engine.status import RunStatus
+
+# The port's `get`: the run, with what its current stage's steps say (attempts, the topic and
+# timer it waits on, why it is not moving).
+VIEW = text(
+    """
+    SELECT r.*, st.attempts AS step_attempts, st.wait_topic, st.wait_until,
+           st.pending_since, st.due_at, st.blocked_reason, now() AS db_now
+      FROM engine.task_run r
+      LEFT JOIN LATERAL (
+           SELECT max(attempts) AS attempts, max(wait_topic) AS wait_topic,
+                  min(wait_until) AS wait_until,
+                  min(created_at) FILTER (WHERE status = 'pending') AS pending_since,
+                  min(next_attempt_at) FILTER (WHERE status = 'pending') AS due_at,
+                  max(blocked_reason) FILTER (WHERE status = 'pending') AS blocked_reason
+             FROM engine.step
+            WHERE run_id = r.id AND stage = r.current_stage) st ON true
+     WHERE r.id = :id
+    """
+)
 
 
 class RunByKey(NamedTuple):

@@ -1,10 +1,19 @@
-"""Waking parked steps (invariant 7): by a signal's topic, or by their timer.
+"""Waiting (invariant 7): stored signals, parking a step, and waking it by topic or timer.
 
-Each wake is one statement, written out whole: the parked steps go back to `pending` (marked
-published: the caller sends their messages after commit) and their runs show `running` again,
-in one round trip. Only steps still `waiting` move (the guard in the WHERE clause), so two
-wakes of one step, by a signal and its timer at once, wake it once. Proofs:
-`tests/integration/test_waits_cancel.py`, `tests/integration/test_wake_batches.py`.
+A signal is stored before anyone is woken, under the topic's advisory lock (`LOCK_TOPIC`), and a
+park checks, under the same lock, for a signal stored since its check began (`SIGNAL_SINCE`):
+a signal racing a park is never lost. Each wake is one statement: the parked steps go back to
+`pending` (marked published: the caller sends their messages after commit) and their runs show
+`running` again, in one round trip. Only steps still `waiting` move (the guard in the WHERE
+clause). Proofs: `tests/integration/test_waits_cancel.py`, `tests/integration/test_wake_batches.py`.
+
+| statement | from | to |
+|---|---|---|
+| `STORE_SIGNAL` | | a signal row (kept until purged) |
+| `PARK` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
+| `RUN_WAITING` | run running, no step running or pending | waiting |
+| `WAKE_TOPIC` | steps waiting on the topic | pending, published; runs running |
+| `WAKE_DUE_TIMERS` | steps waiting past `wait_until` | pending, published; runs running |
 """
 
 from __future__ import annotations
@@ -14,6 +23,44 @@ from typing import NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
+
+LOCK_TOPIC = text("SELECT pg_advisory_xact_lock(hashtext(:topic))")
+
+STORE_SIGNAL = text(
+    "INSERT INTO engine.task_signal (topic, payload) VALUES (:topic, CAST(:payload AS jsonb))"
+)
+
+LATEST_SIGNAL = text("SELECT payload FROM engine.task_signal WHERE topic = :topic ORDER BY id DESC LIMIT 1")
+
+SIGNAL_SINCE = text(
+    "SELECT EXISTS (SELECT 1 FROM engine.task_signal WHERE topic = :topic AND created_at >= :since)"
+)
+
+# A timer in the database's clock (never the worker's: `tests/faults/test_clock.py`).
+REACHED = text("SELECT now() >= :until")
+
+# Waiting gives the attempt back: it does not count against the retry policy.
+PARK = text(
+    """
+    UPDATE engine.step
+       SET status = CASE WHEN :raced THEN 'pending' ELSE 'waiting' END,
+           attempts = attempts - 1, wakeups = wakeups + 1,
+           wait_topic = :topic, wait_since = :since,
+           wait_until = coalesce(:until, now() + make_interval(secs => :timeout)),
+           next_attempt_at = now(), lease_token = NULL, lease_until = NULL,
+           published_at = CASE WHEN :raced THEN now() END
+     WHERE id = :id AND lease_token = :tok AND status = 'running'
+    RETURNING id
+    """
+)
+
+RUN_WAITING = text(
+    """
+    UPDATE engine.task_run SET status = 'waiting', updated_at = now()
+     WHERE id = :run AND status = 'running'
+       AND NOT EXISTS (SELECT 1 FROM engine.step WHERE run_id = :run AND status IN ('running', 'pending'))
+    """
+)
 
 
 class Woken(NamedTuple):

@@ -1,0 +1,341 @@
+"""Advancing a run along its canvas: a run's first stage at enqueue, the next stage once a stage
+completes (the fan-in is counted under the run row lock), the inline carry of a linear chain,
+the end of a run (succeeded, or canceled with its compensation). Statements:
+`proj.engine.store.stages`, `proj.engine.store.commits` (the one-statement commits) and
+`proj.engine.store.cancels`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine import dispatch, tracing
+from proj.engine.attempts import Carry, Claim, to_json, worker_id
+from proj.engine.context import PlanContext
+from proj.engine.dispatch import Dispatch
+from proj.engine.errors import IdempotencyConflict, InvalidInput
+from proj.engine.inputs import canonical_input, check_key
+from proj.engine.kind import Kind, StepDef, get_kind
+from proj.engine.port import TaskRunRef
+from proj.engine.status import TERMINAL
+from proj.engine.store import cancels as cancels_sql
+from proj.engine.store import commits as commits_sql
+from proj.engine.store import stages as sql
+from proj.settings import get_settings
+
+# --------------------------------------------------------------------------------------------
+# a new run and its first stage
+
+
+def insert_run(
+    s: Session,
+    kind_name: str,
+    input: Mapping[str, Any],
+    *,
+    idempotency_key: str,
+    available_at: datetime | None = None,
+    priority: int = 0,
+    trace: Mapping[str, Any] | None = None,
+    version: int | None = None,
+) -> tuple[TaskRunRef, list[Dispatch]]:
+    """Create the run and its first stage inside the caller's transaction (or find its twin).
+
+    `version` pins an older version (an old build still enqueuing during a rollout); by default
+    a run starts on the newest version this process knows, and keeps it to the end.
+    `priority` (higher first, FIFO within one priority) orders the start of a kind's pending
+    runs: in the admission line of a limited kind, by the claim of the start step otherwise
+    (`store.claims.CLAIM_START`, whatever order the broker delivers in), and the sweeper's
+    re-sends. `trace` is a W3C carrier to parent the run's trace on; by default the caller's
+    current span is the parent.
+    """
+    check_key(idempotency_key)
+    if available_at is not None and not isinstance(available_at, datetime):
+        raise InvalidInput(f"available_at must be a datetime or None, not {type(available_at).__name__}")
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) < priority < 2**31:
+        raise InvalidInput(f"priority must be a 32-bit integer, not {priority!r}")
+    kind = get_kind(kind_name, version)
+    stored, digest = canonical_input(kind, input)
+    ckey = kind.concurrency_key(kind.input_model.model_validate(stored)) if kind.concurrency_key else None
+    if ckey is not None and not isinstance(ckey, str):
+        ckey = str(ckey)
+    run_id = uuid.uuid4()
+    with tracing.enqueue_span(kind.name, kind.version, run_id, parent=trace) as (span, carrier):
+        ref, out = _insert(
+            s, kind, stored, digest, idempotency_key, run_id, ckey, available_at, priority, carrier
+        )
+        span.set_attribute("engine.created", ref.created)
+        if not ref.created:
+            span.set_attribute("engine.run_id", str(ref.task_run_id))
+    return ref, out
+
+
+def _insert(
+    s: Session,
+    kind: Kind,
+    stored: dict[str, Any],
+    digest: str,
+    idempotency_key: str,
+    run_id: uuid.UUID,
+    ckey: str | None,
+    available_at: datetime | None,
+    priority: int,
+    trace: Mapping[str, Any] | None,
+) -> tuple[TaskRunRef, list[Dispatch]]:
+    plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
+    first = stage_rows(kind, 0, plan)
+    due_now = available_at is None
+    inserted = s.execute(
+        sql.INSERT_RUN,
+        {
+            "run": run_id,
+            "kind": kind.name,
+            "version": kind.version,
+            "key": idempotency_key,
+            "input": json.dumps(stored),
+            "hash": digest,
+            "priority": priority,
+            "ckey": ckey,
+            "at": available_at,
+            "trace": json.dumps(dict(trace)) if trace else None,
+            "stage": 0,
+            "label": kind.canvas[0].label,
+            **first,
+            "due": due_now,
+        },
+    ).all()
+    if not inserted:
+        existing = s.execute(sql.EXISTING_RUN, {"kind": kind.name, "key": idempotency_key}).one()
+        if existing.input_hash != digest:
+            raise IdempotencyConflict(kind.name, idempotency_key, existing.id)
+        return TaskRunRef(existing.id, created=False), []
+    ref = TaskRunRef(run_id, created=True)
+    if first["names"]:
+        out = stage_dispatches(kind, inserted, priority) if due_now else []
+        # With held siblings, item 0 starts the run; the rest go out when it is claimed.
+        return ref, out[:1] if kind.holds_start_siblings else out
+    for stage in range(1, len(kind.canvas)):  # the first stage was an empty fan-out
+        has_steps, out = create_stage(
+            s, run_id, kind, stage, plan, available_at=available_at, priority=priority
+        )
+        if has_steps:
+            return ref, out
+    finish_run(s, run_id, kind, None)  # every stage was an empty fan-out
+    return ref, []
+
+
+# --------------------------------------------------------------------------------------------
+# advancing the chain
+
+
+def advance(
+    s: Session, run_id: uuid.UUID, *, run: Any = None, stage: int | None = None, carry: Carry | None = None
+) -> list[Dispatch]:
+    """After a step committed: if its stage is complete, start the next one or finish the run.
+
+    The run row lock serialises the fan-in, so exactly one committer advances a stage. `run` is
+    the run row when the caller locked it already; `stage` the stage of the step it committed.
+    """
+    if run is None:
+        run = s.execute(sql.LOCK_RUN, {"id": run_id}).first()
+    if run is None or run.status in TERMINAL:
+        return []
+    kind = get_kind(run.kind, run.version)
+    current = kind.canvas[run.current_stage] if run.current_stage < len(kind.canvas) else None
+    # A stage of one static step has one row ((run_id, stage, item_index) is unique): if the
+    # caller just committed it, nothing is left open and the count can be skipped.
+    sole = current is not None and current.single
+    counted = not (sole and stage == run.current_stage)
+    if counted and s.scalar(sql.OPEN_IN_STAGE, {"id": run_id, "stage": run.current_stage}):
+        return []
+    if run.cancel_requested_at is not None:
+        return finalize_cancel(s, run_id)
+    plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)
+    stage = run.current_stage + 1
+    while stage < len(kind.canvas):
+        has_steps, created = create_stage(s, run_id, kind, stage, plan, priority=run.priority, carry=carry)
+        if has_steps:
+            return created
+        stage += 1  # an empty fan-out: nothing to wait for
+    last = kind.canvas[-1]
+    finish_run(s, run_id, kind, plan.result(last.steps[-1].name) if len(last.steps) == 1 else None)
+    return []
+
+
+def finish_run(s: Session, run_id: uuid.UUID, kind: Kind, result: Any) -> None:
+    """The run succeeded with `result` (the last stage's single step's, or None); its span goes
+    out after commit. The one-statement commit (`commit_alone`) is the only other way a run
+    succeeds, and writes the same columns."""
+    run = s.execute(
+        sql.FINISH_RUN, {"result": to_json(result), "end_stage": len(kind.canvas), "id": run_id}
+    ).first()
+    if run is not None:
+        tracing.run_finished(s, run, "succeeded", run.finished_at)
+
+
+def create_stage(
+    s: Session,
+    run_id: uuid.UUID,
+    kind: Kind,
+    stage: int,
+    plan: PlanContext,
+    *,
+    available_at: datetime | None = None,
+    priority: int = 0,
+    carry: Carry | None = None,
+) -> tuple[bool, list[Dispatch]]:
+    """Insert the step rows of `stage` and point the run at it.
+
+    Returns whether the stage has any step (an empty fan-out has none) and what to publish now.
+    A stage of one plain step under `carry` is inserted claimed instead, and published never.
+    """
+    st = kind.canvas[stage]
+    inline = carry is not None and carry.parent.run_id == run_id and available_at is None
+    if carry is not None and inline and st.single and _claim_next(s, carry, kind, stage):
+        return True, []
+    rows = stage_rows(kind, stage, plan)
+    due_now = available_at is None
+    inserted = s.execute(
+        sql.CREATE_STAGE,
+        {"run": run_id, "stage": stage, "label": st.label, **rows, "at": available_at, "due": due_now},
+    ).all()
+    return bool(rows["names"]), stage_dispatches(kind, inserted, priority) if due_now else []
+
+
+def stage_dispatches(kind: Kind, inserted: Sequence[Any], priority: int) -> list[Dispatch]:
+    """The messages for step rows a stage insert returned (`id`, `name`)."""
+    return [dispatch.step_dispatch(r.id, kind.name, kind.version, r.name, priority) for r in inserted]
+
+
+def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]]:
+    """The step rows of `stage` as the array parameters of `CREATE_STAGE`/`INSERT_RUN`: one per
+    static step, or one per item of a fan-out (none for an empty one)."""
+    st = kind.canvas[stage]
+    rows: list[tuple[StepDef, int, str | None]]
+    if st.over is not None:
+        items = list(st.over(plan))
+        rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]
+    else:
+        rows = [(sd, i, None) for i, sd in enumerate(st.steps)]
+    return {
+        "names": [sd.name for sd, _, _ in rows],
+        "idxs": [index for _, index, _ in rows],
+        "items": [item for _, _, item in rows],
+        "maxs": [kind.policy_for(sd).max_attempts for sd, _, _ in rows],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the inline carry of a linear chain
+
+
+def _next_params(carry: Carry, kind: Kind, stage: int) -> dict[str, Any]:
+    sdef = kind.canvas[stage].steps[0]
+    return {
+        "run": carry.parent.run_id,
+        "next_stage": stage,
+        "next_name": sdef.name,
+        "next_label": kind.canvas[stage].label,
+        "next_max": kind.policy_for(sdef).max_attempts,
+        "next_tok": carry.token,
+        "owner": worker_id(),
+        "ttl": get_settings().lease_ttl_s,
+    }
+
+
+def _carried(carry: Carry, params: dict[str, Any], step_id: int, claimed_at: datetime) -> None:
+    """The claim of the step inserted under `carry.token`, for this process to run next."""
+    carry.claim = replace(
+        carry.parent,
+        step_id=step_id,
+        stage=params["next_stage"],
+        name=params["next_name"],
+        item_index=0,
+        item=None,
+        attempt=1,
+        max_attempts=params["next_max"],
+        claimed_at=claimed_at,
+        token=carry.token,
+    )
+
+
+def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> bool:
+    """Insert `stage`'s single step already claimed under `carry.token`; False if it exists."""
+    params = _next_params(carry, kind, stage)
+    row = s.execute(sql.CLAIM_NEXT, params).first()
+    if row is None:
+        return False
+    _carried(carry, params, row.id, row.claimed_at)
+    return True
+
+
+def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> list[Dispatch] | None:
+    """The commit of a linear chain's step in one statement, in autocommit: one round trip
+    instead of four (BEGIN, succeed, advance, COMMIT), most of an inline step's cost.
+
+    It applies when the step is its stage's only one and either the next stage is one plain step
+    for this process to run (`carry`) or there is none and the run succeeds with this result.
+    None: another shape, or the run is not as a plain advance expects (a cancel asked, the lease
+    lost); nothing was written and the caller takes the general path, which sorts those out.
+    """
+    here = kind.canvas[c.stage]
+    if not here.single:
+        return None
+    params: dict[str, Any] = {"id": c.step_id, "tok": c.token, "stage": c.stage, "result": payload}
+    following = c.stage + 1
+    if following == len(kind.canvas):
+        with db.autocommit() as conn:
+            run = conn.first(commits_sql.SUCCEED_AND_FINISH, {**params, "end_stage": following})
+        if run is None:
+            return None
+        tracing.run_span(run, "succeeded", run.finished_at)
+        return []
+    nxt = kind.canvas[following]
+    if carry is None or not nxt.single:
+        return None
+    params |= _next_params(carry, kind, following)
+    with db.autocommit() as conn:
+        row = conn.first(commits_sql.SUCCEED_AND_CLAIM_NEXT, params)
+    if row is None:
+        return None
+    if row.next_id is not None:
+        _carried(carry, params, row.next_id, row.claimed_at)
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# the end of a canceled run (invariant 8)
+
+
+def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
+    """Mark a cancel-requested run `canceled` once no step runs; enqueue its compensation."""
+    run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
+    if run is None or run.status in TERMINAL:
+        return []
+    if s.scalar(cancels_sql.LIVE_LEASES, {"id": run_id}):
+        return []
+    s.execute(cancels_sql.CANCEL_OPEN_STEPS, {"id": run_id})
+    finished_at = s.scalar(cancels_sql.CANCEL_RUN, {"id": run_id})
+    tracing.run_finished(s, run, "canceled", finished_at)
+    return enqueue_compensation(s, run)
+
+
+def enqueue_compensation(s: Session, run: Any) -> list[Dispatch]:
+    """Compensation is an explicit kind, enqueued once (idempotent key) in the same transaction."""
+    kind = get_kind(run.kind, run.version)
+    if kind.compensation is None:
+        return []
+    payload = (
+        kind.compensation_input(run.id, run.input)
+        if kind.compensation_input is not None
+        else {"run_id": str(run.id), "kind": run.kind, "input": run.input}
+    )
+    _ref, out = insert_run(s, kind.compensation, payload, idempotency_key=f"compensate:{run.id}")
+    return out

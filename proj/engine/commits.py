@@ -1,0 +1,110 @@
+"""The commit decision of an attempt: success, a retry or the end of the run, or a cancel the
+body stopped for. Every commit is fenced by the lease token (invariant 3): a refused one raises
+`LeaseLost` and writes nothing. Statements: `proj.engine.store.commits`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine import chain, tracing
+from proj.engine.attempts import Carry, Claim, error_payload, to_json
+from proj.engine.dispatch import Dispatch
+from proj.engine.errors import LeaseLost, NonRetryable
+from proj.engine.kind import Kind, RetryPolicy
+from proj.engine.store import commits as sql
+
+log = logging.getLogger(__name__)
+
+Commit = Callable[..., tuple[str, list[Dispatch]]]
+
+
+def commit_success(
+    c: Claim, kind: Kind, result: Any, session: Session | None = None, carry: Carry | None = None
+) -> list[Dispatch]:
+    """Store the result and advance the run, or refuse if the lease is gone.
+
+    With `session` (from `StepContext.finish`), it joins the body's business transaction so
+    the writes and the result commit together. With `carry`, a single next step is claimed in
+    the same transaction for this process to run (`Carry`).
+    """
+    payload = to_json(result)
+    if session is not None:
+        return _succeed(session, c, payload, carry)
+    alone = chain.commit_alone(c, kind, payload, carry)
+    if alone is not None:
+        return alone
+    with db.transaction() as s:
+        return _succeed(s, c, payload, carry)
+
+
+def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> list[Dispatch]:
+    run = s.execute(sql.SUCCEED_AND_LOCK_RUN, {"id": c.step_id, "tok": c.token, "result": payload}).first()
+    if run is None:
+        raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
+    return chain.advance(s, c.run_id, run=run, stage=c.stage, carry=carry)
+
+
+def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[str, list[Dispatch]]:
+    """Schedule the next attempt with backoff, or fail the run when attempts are exhausted."""
+    err = error_payload(exc)
+    final = isinstance(exc, NonRetryable) or c.attempt >= min(c.max_attempts, policy.max_attempts)
+    delay = 0.0 if final else policy.backoff(c.attempt)
+    with db.transaction() as s:
+        row = s.execute(
+            sql.FAIL_OR_RETRY,
+            {"final": final, "delay": delay, "err": json.dumps(err), "id": c.step_id, "tok": c.token},
+        ).first()
+        if row is None:
+            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
+        close_attempt(s, c, "failed" if final else "retry", err)
+        if final:
+            fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+            return "failed", []
+        s.execute(
+            sql.RECORD_RETRY_ERROR,
+            {"err": json.dumps({**err, "step": c.name, "attempts": c.attempt}), "run": c.run_id},
+        )
+    log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
+    return "retry", []
+
+
+def commit_canceled(c: Claim) -> tuple[str, list[Dispatch]]:
+    """The body stopped itself on a cancel request: close the step, then finish the cancel."""
+    with db.transaction() as s:
+        row = s.execute(sql.CANCEL_STEP, {"id": c.step_id, "tok": c.token}).first()
+        if row is None:
+            raise LeaseLost(f"step {c.step_id}: lease lost, cancel not recorded")
+        close_attempt(s, c, "canceled")
+        return "canceled", chain.finalize_cancel(s, c.run_id)
+
+
+def commit_or_refuse(fn: Commit, *args: Any) -> tuple[str, list[Dispatch]]:
+    """Run a commit; a refused one (the lease is gone) is the outcome `lease_lost`."""
+    try:
+        return fn(*args)
+    except LeaseLost as exc:
+        log.warning("commit refused: %s", exc)
+        return "lease_lost", []
+
+
+def close_attempt(s: Session, c: Claim, outcome: str, err: dict[str, Any] | None = None) -> None:
+    """The attempt record gets its outcome (`step_attempt` is an audit log, never a timeline)."""
+    s.execute(
+        sql.CLOSE_ATTEMPT,
+        {"outcome": outcome, "error": json.dumps(err) if err else None, "id": c.step_id, "tok": c.token},
+    )
+
+
+def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> None:
+    """The run becomes a dead letter: `failed` with its error; pending siblings stop."""
+    run = s.execute(sql.FAIL_RUN, {"err": json.dumps(err), "run": run_id}).first()
+    if run is not None:
+        tracing.run_finished(s, run, "failed", run.finished_at)

@@ -1,0 +1,116 @@
+"""Claiming a step: the lease is taken, the run marked started and the attempt record opened in
+one statement (lock order: the step row, then the run row).
+
+Guard of every claim: the step is `pending` and due, its run is live and nobody asked to cancel
+it. No row back: a duplicate message, a finished step, a canceled run: the delivery is a no-op
+(invariant 1). `(… ) IS TRUE` around the step's state keeps the planner on the primary key: a
+plain `status = 'pending'` lets it pick the partial `step_due_idx` and filter it by id, which
+statistics taken before a backlog built up make look cheap, and which is O(backlog) per claim
+(`tests/integration/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
+
+| statement | from | to |
+|---|---|---|
+| `CLAIM` | step pending, due; run live | step running (token, lease); run running; attempt opened |
+| `CLAIM_START` | the same, for a start step | the best pending run's start step instead, if better |
+| `RELEASE_START_SIBLINGS` | run's first-stage items > 0 held back | published now |
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+
+CLAIM = text(
+    """
+    WITH claimed AS (
+        UPDATE engine.step s
+           SET status = 'running', lease_token = :tok, lease_owner = :owner,
+               lease_until = now() + make_interval(secs => :ttl),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
+          FROM engine.task_run r
+         WHERE s.id = :id AND r.id = s.run_id
+           AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
+           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+     RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
+               r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
+               now() AS claimed_at
+    ), started AS (
+        UPDATE engine.task_run t
+           SET status = 'running', current_step = c.name, updated_at = now(),
+               started_at = coalesce(t.started_at, now())
+          FROM claimed c
+         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+    ), attempt AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
+        SELECT id, attempts, :tok, :owner FROM claimed
+    )
+    SELECT * FROM claimed
+    """
+)
+
+# Starting a run in priority order (kinds with a `start_step`): the start messages of a kind (its
+# first stage's item 0) are interchangeable, so a delivery claims the pending run that should
+# start first instead of its own when that one has a strictly higher priority. A delivery whose
+# own step is taken already (it was claimed by such a swap, or it is a duplicate) starts the best
+# pending run in its place, so the swapped-out run loses no message. Equal priorities keep the
+# broker's FIFO order and cost one probe of `task_run_start_idx` that finds nothing.
+# `me` is materialized and read through scalar subqueries so that kind, version and the priority
+# bound reach `task_run_start_idx` as index conditions even in the generic plan of a prepared
+# statement (psycopg prepares after 5 runs); joined instead, they were a filter over every run of
+# the kind, finished ones included (`tests/integration/test_limits.py::test_a_start_claim_probes_only_…`).
+CLAIM_START = text(
+    """
+    WITH me AS MATERIALIZED (
+        SELECT r.kind, r.version,
+               CASE WHEN s.status <> 'pending' THEN -2147483648  -- taken: any pending run
+                    WHEN r.status = 'pending' THEN r.priority      -- mine: only a better one
+                    ELSE 2147483647 END AS above                   -- a started run: none
+          FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
+         WHERE s.id = :id AND s.stage = 0 AND s.item_index = 0
+    ), better AS (
+        SELECT s2.id
+          FROM engine.task_run r2
+          JOIN engine.step s2 ON s2.run_id = r2.id AND s2.stage = 0 AND s2.item_index = 0
+         WHERE r2.kind = (SELECT kind FROM me) AND r2.version = (SELECT version FROM me)
+           AND r2.status = 'pending' AND r2.priority > (SELECT above FROM me)
+           AND r2.cancel_requested_at IS NULL
+           AND (s2.status = 'pending' AND s2.next_attempt_at <= now()) IS TRUE
+         ORDER BY r2.priority DESC, r2.created_at, r2.id
+         LIMIT 1
+           FOR UPDATE OF s2 SKIP LOCKED
+    ), claimed AS (
+        UPDATE engine.step s
+           SET status = 'running', lease_token = :tok, lease_owner = :owner,
+               lease_until = now() + make_interval(secs => :ttl),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
+          FROM engine.task_run r
+         WHERE s.id = coalesce((SELECT id FROM better), :id) AND r.id = s.run_id
+           AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
+           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+     RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
+               r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
+               now() AS claimed_at
+    ), started AS (
+        UPDATE engine.task_run t
+           SET status = 'running', current_step = c.name, updated_at = now(),
+               started_at = coalesce(t.started_at, now())
+          FROM claimed c
+         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+    ), attempt AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
+        SELECT id, attempts, :tok, :owner FROM claimed
+    )
+    SELECT * FROM claimed
+    """
+)
+
+# The run just claimed by its start step: the rest of its first stage, held back at enqueue so
+# that they could not start a run out of priority order (`Kind.holds_start_siblings`).
+RELEASE_START_SIBLINGS = text(
+    """
+    UPDATE engine.step SET published_at = now()
+     WHERE run_id = :run AND stage = 0 AND item_index > 0 AND (status = 'pending') IS TRUE
+    RETURNING id, name
+    """
+)

@@ -1,0 +1,80 @@
+"""Wait steps (invariant 7): look at the database, and park on a topic with a timeout when the
+condition does not hold. The worker slot is freed while parked; a signal wakes the step at once,
+its timer anyway (`proj.engine.store.waits`). Proof: `tests/integration/test_waits_cancel.py`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from proj import db
+from proj.engine import dispatch
+from proj.engine.attempts import Carry, Claim
+from proj.engine.commits import close_attempt, commit_success
+from proj.engine.context import StepContext
+from proj.engine.dispatch import Dispatch
+from proj.engine.errors import LeaseLost
+from proj.engine.kind import Kind, WaitSpec
+from proj.engine.store import waits as sql
+
+
+def run_wait(
+    c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec, carry: Carry | None = None
+) -> tuple[str, list[Dispatch]]:
+    """Check the business truth; commit if it holds, otherwise park the run on its topic.
+
+    A wait that holds continues inline like any committed step (`carry`): a mass wake's next
+    steps run in the delivery that re-checked, not after another trip through the broker.
+    """
+    topic = spec.topic(ctx)
+    if spec.until is not None:
+        until = spec.until(ctx)
+        with db.transaction() as s:
+            reached = bool(s.scalar(sql.REACHED, {"until": until}))
+        if reached:
+            return "succeeded", commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
+        return park(c, topic, until=until)
+    if spec.check is not None:
+        value = spec.check(ctx)
+        if value:
+            return "succeeded", commit_success(c, kind, value, carry=carry)
+    else:
+        with db.transaction() as s:
+            sig = s.execute(sql.LATEST_SIGNAL, {"topic": topic}).first()
+        if sig is not None:
+            return "succeeded", commit_success(c, kind, {"signal": sig.payload}, carry=carry)
+    timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
+    return park(c, topic, timeout_s=timeout)
+
+
+def park(
+    c: Claim, topic: str, *, timeout_s: float | None = None, until: datetime | None = None
+) -> tuple[str, list[Dispatch]]:
+    """Free the worker: the step waits in Postgres for a signal or its timer.
+
+    Under the topic's advisory lock, a signal stored since this check started sends the step
+    straight back to work, so a signal racing the park is never lost. Waiting gives the attempt
+    back: it does not count against the retry policy.
+    """
+    with db.transaction() as s:
+        s.execute(sql.LOCK_TOPIC, {"topic": topic})
+        raced = bool(s.scalar(sql.SIGNAL_SINCE, {"topic": topic, "since": c.claimed_at}))
+        row = s.execute(
+            sql.PARK,
+            {
+                "raced": raced,
+                "topic": topic,
+                "since": c.claimed_at,
+                "until": until,
+                "timeout": timeout_s or 0.0,
+                "id": c.step_id,
+                "tok": c.token,
+            },
+        ).first()
+        if row is None:
+            raise LeaseLost(f"step {c.step_id}: lease lost while parking")
+        close_attempt(s, c, "parked")
+        if raced:
+            return "rechecking", [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
+        s.execute(sql.RUN_WAITING, {"run": c.run_id})
+    return "waiting", []
