@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import celery as outbox_celery
-from proj import db
+from proj import db, logs
 from proj.engine.errors import IdempotencyConflict
 from proj.settings import get_settings
 
@@ -144,6 +144,14 @@ for _kind, _every in PERIODIC.items():
         "args": (_kind, _every),
         "options": {"queue": "engine", "expires": _every},
     }
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _log_format(logger: logging.Logger, **_: object) -> None:
+    """`LOG_FORMAT=json`: the loggers Celery just set up (root, task) write JSON (`proj.logs`)."""
+    if settings.log_format == "json":
+        logs.use_json(logger)
 
 
 @signals.worker_process_init.connect

@@ -121,6 +121,7 @@ class Step(Base):
     wait_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     wait_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     wakeups: Mapped[int] = mapped_column(Integer, server_default="0")
+    signalled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     result: Mapped[Any | None] = mapped_column(JSONB)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

@@ -346,25 +346,30 @@ def signal(topic: str, payload: Any = None) -> int:
             text("INSERT INTO engine.task_signal (topic, payload) VALUES (:t, CAST(:p AS jsonb))"),
             {"t": topic, "p": body},
         )
-        out = wake(s, "s.wait_topic = :t", {"t": topic})
+        out = wake(s, "s.wait_topic = :t", {"t": topic}, signalled=True)
     # Many waiters on one topic travel WAKE_BATCH to a message (`dispatch.batched`).
     dispatch.publish_after_commit(dispatch.batched(out, dispatch.wake_batch_size()))
     return len(out)
 
 
-def wake(s: Session, where: str, params: Mapping[str, Any]) -> list[Dispatch]:
-    """Send parked steps back to work (signal or timer); the run shows `running` again."""
+def wake(s: Session, where: str, params: Mapping[str, Any], *, signalled: bool = False) -> list[Dispatch]:
+    """Send parked steps back to work (signal or timer); the run shows `running` again.
+
+    `signalled`: a signal woke them (not a timer): `signalled_at` records when, the start of
+    `proj_signal_wake_seconds` (`tests/test_metrics.py::test_scrape_reports_the_engine_state`).
+    """
     rows = s.execute(
         text(
             f"""
             UPDATE engine.step s SET status = 'pending', next_attempt_at = now(),
-                   published_at = now()
+                   published_at = now(),
+                   signalled_at = CASE WHEN :signalled THEN now() ELSE s.signalled_at END
               FROM engine.task_run r
              WHERE r.id = s.run_id AND s.status = 'waiting' AND {where}
          RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
             """
         ),
-        dict(params),
+        {**params, "signalled": signalled},
     ).all()
     if rows:
         s.execute(

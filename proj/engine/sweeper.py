@@ -28,6 +28,7 @@ from proj.engine.errors import UnknownKind
 from proj.engine.kind import get_kind
 from proj.engine.protocol import fail_run, finalize_cancel, handoff
 from proj.engine.runs import wake
+from proj.engine.store import stats
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ def sweep(*, wait: bool = False) -> SweepReport:
             {"n": BATCH},
         ).all()
         report.expired = len(expired)
+        if expired:  # `proj_lease_recoveries_total`, counted where the lease is taken back
+            s.execute(stats.COUNT_LEASE_RECOVERIES, {"n": len(expired)})
         for row in expired:
             if row.status == "failed":
                 report.failed += 1
