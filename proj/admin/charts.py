@@ -40,12 +40,13 @@ class Column:
     values: dict[str, float]
 
 
-def nice_max(value: float) -> float:
-    """The axis top: 1, 2 or 5 times a power of ten, at least `value` (and at least 1)."""
-    if value <= 1:
-        return 1.0
+def nice_max(value: float, least: float = 2.0) -> float:
+    """The axis top: 1, 2, 4, 6 or 8 times a power of ten, at least `value` and `least` (2 for
+    counts, so the middle tick of a count is a whole number too)."""
+    if value <= least:
+        return least
     power = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 5, 10):
+    for step in (1, 2, 4, 6, 8):
         if value <= step * power:
             return float(step * power)
     return float(10 * power)
@@ -84,7 +85,7 @@ def _bar(x: float, y: float, w: float, h: float, series: str, label: str, value:
     color = STATUS_COLORS.get(series, "#6e7781")
     tip = f"{label} · {series}: {fmt_number(value)}"
     return (
-        f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{max(h, 0):.1f}" '
+        f'<rect class="datum" x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{max(h, 0):.1f}" '
         f'fill="{color}" data-series="{escape(series)}" data-label="{escape(label)}" '
         f'data-value="{fmt_number(value)}"><title>{escape(tip)}</title></rect>'
     )
@@ -112,10 +113,10 @@ def stacked_columns(
 ) -> Markup:
     """A stacked column per x position (e.g. per minute), y axis with 3 ticks, x labels every
     `every` columns, and a legend with each series' total."""
-    width, height, left, right, top, bottom = 760, 250, 46, 12, 30, 38
+    width, height, left, right, top, bottom = 1180, 240, 46, 12, 30, 38
     totals = {s: sum(c.values.get(s, 0) for c in columns) for s in series}
     if not columns or not any(totals.values()):
-        return _empty(width, 120, title, "nothing finished in this period")
+        return _empty(width, 80, title, "nothing finished in this period")
     top_value = nice_max(max(sum(c.values.get(s, 0) for s in series) for c in columns))
     plot_w, plot_h = width - left - right, height - top - bottom
     step = plot_w / len(columns)
@@ -141,6 +142,9 @@ def stacked_columns(
                 h = plot_h * v / top_value
                 base -= h
                 body.append(_bar(x, base, step - 2, h, s, col.label, v))
+        total = sum(col.values.get(s, 0) for s in series)
+        if total:  # the column's total above it
+            body.append(_text(x + step / 2 - 1, base - 3, fmt_number(total), "middle", extra='class="total"'))
         if i % every == 0 or i == len(columns) - 1:
             body.append(_text(x + step / 2, height - bottom + 16, col.label, "middle"))
     body.append(
@@ -158,23 +162,25 @@ def hbars(
     seconds: bool = False,
     empty: str = "none",
 ) -> Markup:
-    """Horizontal bars, one group per row label and one bar per series, each value printed at
-    its end; the scale is shared by all rows (so bars compare), from 0 to a round maximum."""
+    """Horizontal bars, one group per row label and one bar per series the row has, each value
+    printed at its end; the scale is shared by all rows (so bars compare), from 0 to a round
+    maximum. A legend is drawn when a row has more than one series."""
     if not rows:
-        return _empty(380, 70, title, empty)
-    label_w, value_w, bar_h, gap = 150, 80, 14, 10
-    width = 380 if len(series) == 1 else 460
-    group_h = bar_h * len(series) + gap
-    legend_h = 22 if len(series) > 1 else 6
+        return _empty(520, 60, title, empty)
+    per_row = max(sum(1 for s in series if s in values) for _, values in rows)
+    label_w, value_w, bar_h, gap = 160, 80, 16, 10
+    width = 520
+    group_h = bar_h * per_row + gap
+    legend_h = 22 if per_row > 1 else 6
     height = legend_h + group_h * len(rows) + 24
-    top_value = nice_max(max(v for _, values in rows for v in values.values()) or 1)
+    top_value = nice_max(max(v for _, values in rows for v in values.values()), 0.01 if seconds else 2.0)
     plot_w = width - label_w - value_w
-    body = _legend(label_w, 14, [(s, s) for s in series]) if len(series) > 1 else []
+    body = _legend(label_w, 14, [(s, s) for s in series]) if per_row > 1 else []
     y = legend_h
     for label, values in rows:
         body.append(_text(label_w - 8, y + group_h / 2 - 1, label, "end", fill="#1d2430"))
-        for j, s in enumerate(series):
-            v = values.get(s, 0.0)
+        for j, s in enumerate(s for s in series if s in values):
+            v = values[s]
             by = y + j * bar_h
             body.append(_bar(label_w, by, plot_w * v / top_value, bar_h - 2, s, label, v))
             shown = fmt_seconds(v) if seconds else f"{fmt_number(v)}{unit}"

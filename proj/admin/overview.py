@@ -7,7 +7,7 @@ Grafana dashboard never disagree; the charts are SVG from `proj.admin.charts`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from markupsafe import Markup
 
@@ -56,7 +56,7 @@ def build(snap: Snapshot) -> Overview:
 
 def minute_columns(rows: list[stats.MinuteCount], now: datetime) -> list[charts.Column]:
     """The last `MINUTES` minutes up to `now`'s, oldest first, empty minutes included."""
-    end = now.replace(second=0, microsecond=0)
+    end = now.astimezone(UTC).replace(second=0, microsecond=0)
     by_minute: dict[datetime, dict[str, float]] = {}
     for r in rows:
         by_minute.setdefault(r.minute, {})[r.status] = float(r.n)
@@ -69,7 +69,10 @@ def minute_columns(rows: list[stats.MinuteCount], now: datetime) -> list[charts.
 
 def finished_chart(rows: list[stats.MinuteCount], now: datetime) -> Markup:
     return charts.stacked_columns(
-        minute_columns(rows, now), FINISHED, title="Runs finished per minute, last hour", y_label="runs / min"
+        minute_columns(rows, now),
+        FINISHED,
+        title="Runs finished per minute, last hour (UTC)",
+        y_label="runs / min",
     )
 
 
