@@ -1,0 +1,73 @@
+"""`LOG_FORMAT=json`: a real worker subprocess writes every log line as JSON, and a line logged
+inside a step names its run, kind, step, attempt and worker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+
+from proj import logs
+from proj.engine import runs
+from tests.conftest import new_key
+from tests.support.services import scalar, wait_for
+
+CELERY_TEXT_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+: [A-Z]+/")
+FIELDS = {"ts", "level", "logger", "message", "run_id", "kind", "step", "attempt", "worker", "trace_id"}
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_worker_logs_are_json_with_the_step_fields(procs) -> None:
+    procs.worker("jsonw", concurrency=1, env={"LOG_FORMAT": "json"})
+    procs.beat("jsonbeat", env={"LOG_FORMAT": "json"})  # the sweeper re-sends the retries
+    run_id = runs.enqueue("flaky", {"message": "disk on fire"}, idempotency_key=new_key()).task_run_id
+    wait_for(
+        lambda: scalar("SELECT status FROM engine.task_run WHERE id = %s", (run_id,)) == "failed",
+        30,
+        what="flaky to fail",
+    )
+    wait_for(lambda: "failed, retry in" in procs.log("jsonw"), 10, what="the retry line")
+    text = procs.log("jsonw")
+
+    assert not [line for line in text.splitlines() if CELERY_TEXT_LINE.match(line)], "a line in text format"
+    beat = procs.log("jsonbeat")
+    assert not [line for line in beat.splitlines() if CELERY_TEXT_LINE.match(line)], beat[-2000:]
+    assert any(line["logger"].startswith("celery.beat") for line in json_lines(beat)), beat[-2000:]
+    lines = json_lines(text)
+    assert any(line["message"].endswith(" ready.") for line in lines), "Celery's own lines are JSON too"
+    assert all(set(line) >= FIELDS for line in lines)
+    retries = [line for line in lines if "failed, retry in" in line["message"]]
+    assert retries, text[-3000:]
+    first = retries[0]
+    assert first["run_id"] == str(run_id) and first["kind"] == "flaky" and first["step"] == "fails"
+    assert first["attempt"] == 1 and first["level"] == "INFO" and first["logger"] == "proj.engine.protocol"
+    assert first["worker"].startswith(socket.gethostname() + ":")
+    assert first["trace_id"] is None  # tracing is off in this worker: unknown, not invented
+    assert [line["attempt"] for line in retries] == sorted(line["attempt"] for line in retries)
+    outside = [line for line in lines if line["message"].endswith(" ready.")][0]
+    assert outside["run_id"] is None and outside["step"] is None  # not in a step
+
+
+def test_the_formatter_fills_step_fields_only_inside_a_step() -> None:
+    record = logging.LogRecord("proj.x", logging.WARNING, __file__, 1, "hello %s", ("there",), None)
+    fmt = logs.JsonFormatter()
+    assert json.loads(fmt.format(record))["run_id"] is None
+    with logs.step_fields(logs.StepFields("r-1", "probe", "s1", 3, "host:1")):
+        inside = json.loads(fmt.format(record))
+    assert inside | {"ts": None} == {
+        "ts": None,
+        "level": "WARNING",
+        "logger": "proj.x",
+        "message": "hello there",
+        "run_id": "r-1",
+        "kind": "probe",
+        "step": "s1",
+        "attempt": 3,
+        "worker": "host:1",
+        "trace_id": None,
+    }
+    assert json.loads(fmt.format(record))["kind"] is None  # reset on leaving the step
