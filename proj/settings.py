@@ -114,6 +114,14 @@ class Settings(BaseSettings):
         le=30,
         description="a scrape's bound: Postgres connect and statement timeout, broker timeouts",
     )
+    metrics_slow_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="re-read the history (finished counts, histograms) at most this often",
+    )
+    metrics_slow_timeout_s: float = Field(
+        default=60.0, gt=0, description="statement timeout of that background history read"
+    )
     log_format: str = Field(
         default="text", pattern="^(text|json)$", description="'json': one JSON object per log line"
     )

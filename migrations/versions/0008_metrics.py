@@ -15,6 +15,8 @@ Create Date: 2026-12-04
   attempts present (an attempt never closed whose step moved on to another lease).
 - `task_run_finished_idx`: the overview's "runs finished per minute" reads the last hour only.
 - `step_signalled_idx`: the signal-wake histogram reads only steps a signal woke.
+- `task_run_live_idx`: live and failed runs per kind@version at every scrape, without reading
+  the finished history (few rows: a run enters it while pending/running/waiting or failed).
 """
 
 from alembic import op
@@ -41,9 +43,14 @@ def upgrade() -> None:
         "CREATE INDEX task_run_finished_idx ON engine.task_run (finished_at, status) "
         "WHERE finished_at IS NOT NULL"
     )
+    op.execute(
+        "CREATE INDEX task_run_live_idx ON engine.task_run (kind, version, status) "
+        "WHERE status IN ('pending', 'running', 'waiting', 'failed')"
+    )
 
 
 def downgrade() -> None:
+    op.execute("DROP INDEX engine.task_run_live_idx")
     op.execute("DROP INDEX engine.task_run_finished_idx")
     op.execute("DROP TABLE engine.counter")
     op.execute("DROP INDEX engine.step_signalled_idx")

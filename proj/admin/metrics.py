@@ -6,6 +6,12 @@ survives worker and admin restarts, and any number of admin replicas agree
 (`tests/test_metrics.py::test_scrape_reports_the_engine_state`). The statements live in
 `proj.engine.store.stats`; the outbox is read here (it is not engine state).
 
+Fast and slow: what alerts need (live and failed runs, live steps, the outbox backlog, lease
+recoveries, workers) is read at every scrape from small partial indexes. What reads the whole
+history (succeeded/canceled counts, dispatched events, the two histograms: seconds at 1M runs,
+`bench/metrics_scale.py`) is read by a background thread at most every `METRICS_SLOW_S` and
+served from its last read (`HistoryCache`); the first scrape waits for it up to the bound.
+
 Bounds: a scrape opens one short connection with `connect_timeout` and `statement_timeout`
 from `METRICS_TIMEOUT_S`, so a down or locked database answers 503 with the reason instead of
 hanging (`tests/test_metrics.py::test_database_down_answers_503_quickly`, `::test_locked_…`).
@@ -22,7 +28,9 @@ import contextlib
 import logging
 import secrets
 import shutil
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated
@@ -46,12 +54,17 @@ from proj.settings import Settings, sqlalchemy_url
 log = logging.getLogger(__name__)
 
 OUTBOX_TABLE = text("SELECT to_regclass('outbox.outbox_event') IS NOT NULL")
-OUTBOX_COUNTS = text("SELECT status, count(*) AS n FROM outbox.outbox_event GROUP BY status")
-OUTBOX_OLDEST_PENDING = text(
-    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 "
-    "FROM outbox.outbox_event WHERE status = 'pending'"
+# The backlog through the outbox's partial indexes (`outbox_event_due_idx`, `_dead_idx`).
+OUTBOX_BACKLOG = text(
+    """
+    SELECT (SELECT count(*) FROM outbox.outbox_event WHERE status = 'pending') AS pending,
+           (SELECT count(*) FROM outbox.outbox_event WHERE status = 'dead') AS dead,
+           (SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
+              FROM outbox.outbox_event WHERE status = 'pending') AS oldest_pending_s
+    """
 )
-OUTBOX_STATUSES = ("pending", "dispatched", "dead")
+# Every dispatched event ever kept (slow: the whole table until `purge`).
+OUTBOX_DISPATCHED = text("SELECT count(*) FROM outbox.outbox_event WHERE status = 'dispatched'")
 STEP_STATUSES = ("pending", "running", "waiting")
 REDIS_PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport: `<queue>\x06\x16<priority>` lists
 REDIS_PRIORITY_STEPS = (0, 3, 6, 9)
@@ -64,22 +77,43 @@ class MetricsUnavailable(RuntimeError):
 # ------------------------------------------------------------------------------ snapshot
 
 
+@dataclass(frozen=True)
+class History:
+    """The slow part of a scrape: what reads the whole history (succeeded and canceled run
+    counts, dispatched outbox events, the histograms). Read in the background, at most every
+    `METRICS_SLOW_S`, and served from the last read in between."""
+
+    finished_runs: list[stats.RunCount]
+    outbox_dispatched: int | None  # None: the outbox table is not migrated
+    step_durations: dict[tuple[str, str], stats.Histogram]
+    signal_wakes: stats.Histogram
+    read_at: float  # time.monotonic()
+
+
 @dataclass
 class Snapshot:
-    """Everything one scrape reports, read in one short database session."""
+    """Everything one scrape reports: the fast part read now, the slow part (`history`) as
+    last read; None where it is not known yet (no history read yet, broker silent, …)."""
 
-    runs: list[stats.RunCount]
+    live_runs: list[stats.RunCount]
     steps: stats.StepCounts
     lease_recoveries: int
     workers_alive: int
-    step_durations: dict[tuple[str, str], stats.Histogram]
-    signal_wakes: stats.Histogram
+    history: History | None = None
     outbox: dict[str, int] | None = None  # None: the outbox table is not migrated
     outbox_oldest_pending_s: float = 0.0
     queues: dict[str, int] | None = None  # None: the broker did not answer
     library_free_bytes: int | None = None  # None: LIBRARY_ROOT does not exist
     minutes: list[stats.MinuteCount] = field(default_factory=list)
     now: datetime | None = None
+
+    @property
+    def runs(self) -> list[stats.RunCount]:
+        return self.live_runs + (self.history.finished_runs if self.history else [])
+
+    @property
+    def step_durations(self) -> dict[tuple[str, str], stats.Histogram]:
+        return self.history.step_durations if self.history else {}
 
     def runs_by(self, status: str) -> dict[str, int]:
         """Runs of one status per kind (all versions): dead letters, parked runs."""
@@ -90,9 +124,13 @@ class Snapshot:
         return out
 
 
-def metrics_engine(settings: Settings) -> Engine:
-    """A pool-less engine whose every connection is bounded: a scrape never hangs on Postgres."""
-    bound_ms = int(settings.metrics_timeout_s * 1000)
+def metrics_engine(settings: Settings, statement_timeout_s: float | None = None) -> Engine:
+    """A pool-less engine whose every connection is bounded: a scrape never hangs on Postgres.
+
+    The connect is bounded by `METRICS_TIMEOUT_S`, each statement by `statement_timeout_s`
+    (default the same; the background history read gets `METRICS_SLOW_TIMEOUT_S`)."""
+    connect_ms = int(settings.metrics_timeout_s * 1000)
+    bound_ms = int((statement_timeout_s or settings.metrics_timeout_s) * 1000)
     return create_engine(
         sqlalchemy_url(settings.require_database_url()),
         poolclass=NullPool,
@@ -100,7 +138,7 @@ def metrics_engine(settings: Settings) -> Engine:
             "application_name": "proj-metrics",
             "connect_timeout": max(1, round(settings.metrics_timeout_s)),
             "options": f"-c statement_timeout={bound_ms} -c lock_timeout={bound_ms}",
-            "tcp_user_timeout": bound_ms,
+            "tcp_user_timeout": max(connect_ms, bound_ms),
             "keepalives": 1,
             "keepalives_idle": 1,
             "keepalives_interval": 1,
@@ -110,7 +148,8 @@ def metrics_engine(settings: Settings) -> Engine:
 
 
 def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False) -> Snapshot:
-    """Read the database (one transaction), then the broker and the library disk.
+    """Read the fast part from the database (one session), then the broker and the library
+    disk; the caller adds the history.
 
     `overview`: also the last hour of finished runs, for `/admin/overview`.
     Raises `MetricsUnavailable` when Postgres cannot be read within the bound.
@@ -118,12 +157,10 @@ def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False)
     try:
         with engine.connect() as conn:
             snap = Snapshot(
-                runs=stats.run_counts(conn),
+                live_runs=stats.live_run_counts(conn),
                 steps=stats.step_counts(conn),
                 lease_recoveries=stats.lease_recoveries(conn),
                 workers_alive=stats.workers_alive(conn),
-                step_durations=stats.step_durations(conn),
-                signal_wakes=stats.signal_wakes(conn),
                 minutes=stats.finished_per_minute(conn) if overview else [],
                 now=stats.database_now(conn) if overview else None,
             )
@@ -135,6 +172,56 @@ def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False)
     return snap
 
 
+def read_history(engine: Engine) -> History:
+    """The slow part, in one session (`HistoryCache` runs it off the request path)."""
+    with engine.connect() as conn:
+        dispatched = None
+        if conn.execute(OUTBOX_TABLE).scalar_one():
+            dispatched = int(conn.execute(OUTBOX_DISPATCHED).scalar_one())
+        return History(
+            finished_runs=stats.finished_run_counts(conn),
+            outbox_dispatched=dispatched,
+            step_durations=stats.step_durations(conn),
+            signal_wakes=stats.signal_wakes(conn),
+            read_at=time.monotonic(),
+        )
+
+
+class HistoryCache:
+    """The last `History`, refreshed in a background thread when older than `max_age_s`.
+
+    Why: at 1M finished runs the history costs seconds (`bench/metrics_scale.py`); a scrape
+    must stay fast and bounded, and Prometheus' `rate()` over minutes does not need the newest
+    second. A scrape never waits for a refresh except the very first (up to `wait_s`); a failed
+    refresh keeps the last good value and is retried by the next scrape.
+    """
+
+    def __init__(self, engine: Callable[[], Engine], max_age_s: float, wait_s: float) -> None:
+        self._engine = engine
+        self.max_age_s = max_age_s
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self._value: History | None = None
+        self._thread: threading.Thread | None = None
+
+    def get(self) -> History | None:
+        with self._lock:
+            stale = self._value is None or time.monotonic() - self._value.read_at >= self.max_age_s
+            if stale and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._refresh, name="metrics-history", daemon=True)
+                self._thread.start()
+            thread = self._thread
+        if self._value is None and thread is not None:
+            thread.join(self.wait_s)
+        return self._value
+
+    def _refresh(self) -> None:
+        try:
+            self._value = read_history(self._engine())
+        except Exception as e:  # the fast part still answers; the next scrape retries
+            log.warning("metrics: history not read (%s); serving the last one", e)
+
+
 def _reason(e: exc.DBAPIError) -> str:
     first = str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e)
     return first[:300]
@@ -144,10 +231,9 @@ def read_outbox(conn: stats.Executor, snap: Snapshot) -> None:
     """Outbox backlog, if its table exists (the admin renders on a partial schema too)."""
     if not conn.execute(OUTBOX_TABLE).scalar_one():
         return
-    counts = {status: 0 for status in OUTBOX_STATUSES}
-    counts.update({r.status: int(r.n) for r in conn.execute(OUTBOX_COUNTS)})
-    snap.outbox = counts
-    snap.outbox_oldest_pending_s = float(conn.execute(OUTBOX_OLDEST_PENDING).scalar_one())
+    row = conn.execute(OUTBOX_BACKLOG).one()
+    snap.outbox = {"pending": int(row.pending), "dead": int(row.dead)}
+    snap.outbox_oldest_pending_s = float(row.oldest_pending_s)
 
 
 def library_free_bytes(root: str) -> int | None:
@@ -280,7 +366,8 @@ def _fill(snap: Snapshot, runs: GaugeMetricFamily, steps: GaugeMetricFamily, dea
     recov.add_metric([], snap.lease_recoveries)
     for (kind, step), h in snap.step_durations.items():
         durations.add_metric([kind, step], _buckets(h), h.total)
-    wakes.add_metric([], _buckets(snap.signal_wakes), snap.signal_wakes.total)
+    if snap.history is not None:
+        wakes.add_metric([], _buckets(snap.history.signal_wakes), snap.history.signal_wakes.total)
     for q, n in sorted((snap.queues or {}).items()):
         queues.add_metric([q], n)
     workers.add_metric([], snap.workers_alive)
@@ -318,20 +405,34 @@ def render(snapshot: Snapshot) -> bytes:
 
 
 class Source:
-    """The bounded engine, made on first use (the app builds without a database), shared by
-    `/metrics` and `/admin/overview`."""
+    """The bounded engines (made on first use: the app builds without a database) and the
+    history cache, shared by `/metrics` and `/admin/overview`."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._engine: Engine | None = None
+        self._engines: dict[str, Engine] = {}
+        self.history = HistoryCache(
+            lambda: self._engine("slow", settings.metrics_slow_timeout_s),
+            max_age_s=settings.metrics_slow_s,
+            wait_s=settings.metrics_timeout_s,
+        )
 
-    def engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = metrics_engine(self.settings)
-        return self._engine
+    def _engine(self, name: str, statement_timeout_s: float | None = None) -> Engine:
+        if name not in self._engines:
+            self._engines[name] = metrics_engine(self.settings, statement_timeout_s)
+        return self._engines[name]
 
     def snapshot(self, *, overview: bool = False) -> Snapshot:
-        return read_snapshot(self.engine(), self.settings, overview=overview)
+        """Fast part now (503 if the database does not answer), then the history as last read."""
+        snap = read_snapshot(self._engine("fast"), self.settings, overview=overview)
+        snap.history = self.history.get()
+        if (
+            snap.history is not None
+            and snap.outbox is not None
+            and snap.history.outbox_dispatched is not None
+        ):
+            snap.outbox["dispatched"] = snap.history.outbox_dispatched
+        return snap
 
 
 def metrics_router(settings: Settings, source: Source) -> APIRouter:

@@ -4,13 +4,16 @@ Why here: `proj/engine/store/` is the one owner of engine statements (DESIGN §7
 collector (`proj.admin.metrics`) and the overview page never write engine SQL of their own.
 
 Cost at scale (`bench/metrics_scale.py`, 1M finished runs, plans in `bench/README.md`):
-- gauges are index-only: run counts read `task_run_status_idx`, step counts the partial
-  indexes of live steps, the last hour of finished runs `task_run_finished_idx`;
-- the lease-recovery counter is one row (`engine.counter`), bumped by the sweeper;
-- the histograms are derived from the rows still present, so they survive restarts of
-  workers and of the admin alike; `purge` bounds them (steps of runs older than
-  `RETENTION_DAYS` go, which Prometheus reads as a counter reset). Step durations cost one
-  pass over the retained succeeded steps; signal wakes only the steps a signal woke.
+- *fast* statements run at every scrape and read only small partial indexes: live and failed
+  runs (`task_run_live_idx`), live steps (`step_due_idx`, `step_running_run_idx`,
+  `step_wait_until_idx`), the last hour of finished runs (`task_run_finished_idx`), and the
+  lease-recovery counter, one row of `engine.counter` bumped by the sweeper;
+- *slow* statements read the whole history (succeeded/canceled counts, the histograms): the
+  admin runs them in the background at most every `METRICS_SLOW_S` and serves the last result.
+  The histograms are derived from the rows still present, so they survive restarts of workers
+  and of the admin alike; `purge` bounds them (steps of runs older than `RETENTION_DAYS` go,
+  which Prometheus reads as a counter reset). Step durations cost one pass over the retained
+  succeeded steps; signal wakes only the steps a signal woke (`step_signalled_idx`).
 
 Every statement is a named constant written out whole; every reader returns typed rows.
 """
@@ -37,10 +40,23 @@ SIGNAL_WAKE_BOUNDS: tuple[float, ...] = (
 
 # ---------------------------------------------------------------------------------- gauges
 
-RUN_COUNTS = text(
+# Live and failed runs: few, read every scrape through `task_run_live_idx` (partial, 0008).
+RUN_COUNTS_LIVE = text(
     """
     SELECT kind, version, status, count(*) AS n
       FROM engine.task_run
+     WHERE status IN ('pending', 'running', 'waiting', 'failed')
+     GROUP BY kind, version, status
+     ORDER BY kind, version, status
+    """
+)
+# Succeeded and canceled runs: all the history, one pass over `task_run_status_idx` (index-only,
+# ~0.2 s at 1M runs): a *slow* statement, refreshed in the background (`proj.admin.metrics`).
+RUN_COUNTS_FINISHED = text(
+    """
+    SELECT kind, version, status, count(*) AS n
+      FROM engine.task_run
+     WHERE status IN ('succeeded', 'canceled')
      GROUP BY kind, version, status
      ORDER BY kind, version, status
     """
@@ -186,9 +202,15 @@ def cumulative(bounds: Sequence[float], per_bucket: dict[int, int], total: float
 # --------------------------------------------------------------------------------- readers
 
 
-def run_counts(s: Executor) -> list[RunCount]:
-    """Runs per kind, version and status (`proj_runs`, and dead letters / parked from it)."""
-    return [RunCount(r.kind, int(r.version), r.status, int(r.n)) for r in s.execute(RUN_COUNTS)]
+def live_run_counts(s: Executor) -> list[RunCount]:
+    """Pending, running, waiting and failed runs per kind and version (`proj_runs`, dead
+    letters, parked runs): exact at every scrape."""
+    return [RunCount(r.kind, int(r.version), r.status, int(r.n)) for r in s.execute(RUN_COUNTS_LIVE)]
+
+
+def finished_run_counts(s: Executor) -> list[RunCount]:
+    """Succeeded and canceled runs per kind and version (the slow part of `proj_runs`)."""
+    return [RunCount(r.kind, int(r.version), r.status, int(r.n)) for r in s.execute(RUN_COUNTS_FINISHED)]
 
 
 def step_counts(s: Executor) -> StepCounts:
