@@ -115,7 +115,7 @@ class Settings(BaseSettings):
         description="a scrape's bound: Postgres connect and statement timeout, broker timeouts",
     )
     metrics_slow_s: float = Field(
-        default=60.0,
+        default=120.0,
         gt=0,
         description="re-read the history (finished counts, histograms) at most this often",
     )

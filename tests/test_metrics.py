@@ -160,6 +160,37 @@ def test_scrape_reports_the_engine_state(inproc, scrape: TestClient, tmp_path: P
     assert pick(regot) == pick(got) and len(pick(got)) >= 3
 
 
+def test_history_is_served_from_the_background_read(inproc, tmp_path: Path) -> None:
+    """Finished counts and histograms come from the last background read (`METRICS_SLOW_S`);
+    what alerts need (dead letters, live steps) is read at every scrape."""
+    with TestClient(create_app(settings_for(tmp_path, metrics_slow_s=3600.0))) as c:
+        assert value(samples(c.get("/metrics").text), "proj_signal_wake_seconds_count") == 0  # read once
+        run_id = inproc.enqueue("probe", {}, idempotency_key=new_key()).task_run_id
+        wait_for(lambda: _status(run_id) == "succeeded", 20, what="probe")
+        sql(
+            "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
+            "VALUES (gen_random_uuid(), 'flaky', 1, %s, '{}', 'h', 'failed')",
+            (new_key(),),
+        )
+        got = samples(c.get("/metrics").text)
+        assert value(got, "proj_dead_letters", kind="flaky") == 1  # fast: now
+        assert (
+            "proj_runs",
+            (("kind", "probe"), ("status", "succeeded"), ("version", "1")),
+        ) not in got  # slow
+    with TestClient(create_app(settings_for(tmp_path, metrics_slow_s=3600.0))) as fresh:
+        assert (
+            value(
+                samples(fresh.get("/metrics").text),
+                "proj_runs",
+                kind="probe",
+                version="1",
+                status="succeeded",
+            )
+            == 1
+        )
+
+
 def test_queue_depth_is_read_from_the_broker(scrape: TestClient) -> None:
     from proj.celery import app
 
@@ -219,6 +250,9 @@ def test_database_down_answers_503_quickly(tmp_path: Path, silent_port: int) -> 
         if case == "silent":
             assert "timeout" in r.json()["detail"], r.json()
         assert took < 15, f"{case}: a scrape of a dead database took {took:.1f}s"
+        with TestClient(create_app(settings_for(tmp_path, database_url=url))) as c:
+            page = c.get("/admin/overview", auth=("admin", PASSWORD))
+        assert page.status_code == 503 and "database unavailable" in page.text
 
 
 def test_locked_table_answers_503_within_the_statement_timeout(scrape: TestClient) -> None:
