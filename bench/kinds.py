@@ -8,9 +8,9 @@ beat), our steps on `noop5.v1`: both on the same Redis broker.
 from __future__ import annotations
 
 import redis
+from celery import shared_task
 from pydantic import BaseModel
 
-from proj.celery import app
 from proj.engine.context import StepContext
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.settings import get_settings
@@ -49,12 +49,12 @@ def counter() -> redis.Redis:
     return _redis
 
 
-@app.task(name="plain.noop", ignore_result=True)
+@shared_task(name="plain.noop", ignore_result=True)
 def plain_noop() -> None:
     return None
 
 
-@app.task(name="plain.done", ignore_result=True)
+@shared_task(name="plain.done", ignore_result=True)
 def plain_done() -> None:
     """The chain's fifth task: a no-op that makes completion observable without a backend."""
     counter().incr(PLAIN_COUNTER)

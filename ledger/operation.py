@@ -157,7 +157,7 @@ def run_operation(
     *,
     plan: Any,
     effect: Callable[[Attempt], R],
-    reconcile: Callable[[Attempt], Done[R] | NotDone],
+    reconcile: Callable[[Attempt], Done[R] | NotDone | type[NotDone]],
     run_id: uuid.UUID | None = None,
     step: str | None = None,
     effect_kind: str = "effect",

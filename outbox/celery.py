@@ -52,7 +52,7 @@ def install(
             engines[pid] = engine_factory()
         return engines[pid]
 
-    @app.task(name=task_name, ignore_result=True)
+    @app.task(name=task_name, ignore_result=True)  # type: ignore[untyped-decorator]  # Celery is untyped
     def dispatch_task() -> dict[str, Any]:
         """Hand due outbox events to the task engine (beat every `beat_interval`, and nudges)."""
         return dispatch(

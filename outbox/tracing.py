@@ -35,7 +35,11 @@ def dispatch_span(stored: Mapping[str, Any] | None, event_id: int, kind: str, ke
         return
     parent = propagate.extract(dict(stored)) if stored else None
     tracer = trace.get_tracer("outbox")
-    attrs = {"outbox.event_id": event_id, "outbox.kind": kind, "outbox.idempotency_key": key}
+    attrs: dict[str, str | int] = {
+        "outbox.event_id": event_id,
+        "outbox.kind": kind,
+        "outbox.idempotency_key": key,
+    }
     with tracer.start_as_current_span(
         f"outbox.dispatch {kind}", context=parent, kind=trace.SpanKind.PRODUCER, attributes=attrs
     ):

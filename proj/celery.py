@@ -18,35 +18,76 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import celery as outbox_celery
 from proj import db, logs
+from proj.engine import broker
 from proj.engine.errors import IdempotencyConflict
-from proj.settings import get_settings
+from proj.engine.kind import on_register
+from proj.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
-settings = get_settings()
 
-app = Celery("proj")
-app.conf.update(
-    broker_url=settings.broker_url,
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={"visibility_timeout": 3600},
-    result_backend=None,
-    task_ignore_result=True,
-    task_acks_late=False,  # Postgres, not the broker, recovers lost work
-    worker_prefetch_multiplier=1,
-    task_default_queue="engine",
-    task_create_missing_queues=True,
-    worker_send_task_events=True,
-    task_send_sent_event=True,
-    worker_concurrency=settings.worker_concurrency,
-    timezone="UTC",
-    beat_schedule={
-        "engine-sweep": {
-            "task": "engine.sweep",
-            "schedule": settings.sweep_interval_s,
-            "options": {"queue": "engine", "expires": max(5.0, settings.sweep_interval_s * 5)},
+PERIODIC_KINDS = ("reconcile_downloads", "verify_library", "purge")
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    """Build the app from settings, register every known kind's steps, and bind it to the engine.
+
+    The one wiring module: the engine never imports this file; it is handed the app through
+    `proj.engine.broker.bind` (why: `proj/engine/broker.py`). Kinds declared after this call
+    are registered as they are declared (`proj.engine.kind.on_register`).
+    """
+    settings = settings or get_settings()
+    app = Celery("proj")
+    app.conf.update(
+        broker_url=settings.broker_url,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": 3600},
+        result_backend=None,
+        task_ignore_result=True,
+        task_acks_late=False,  # Postgres, not the broker, recovers lost work
+        worker_prefetch_multiplier=1,
+        task_default_queue="engine",
+        task_create_missing_queues=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_concurrency=settings.worker_concurrency,
+        timezone="UTC",
+        beat_schedule={
+            "engine-sweep": {
+                "task": "engine.sweep",
+                "schedule": settings.sweep_interval_s,
+                "options": {"queue": "engine", "expires": max(5.0, settings.sweep_interval_s * 5)},
+            },
         },
-    },
-)
+    )
+    # Invariant 6: `outbox.dispatch` on the `engine` queue, every beat tick and after each commit
+    # that added events. The engine's typed input errors are deterministic: dead after 3 attempts.
+    outbox_celery.install(
+        app,
+        session_factory=_outbox_session,
+        engine_factory=_outbox_engine,
+        beat_interval=float(os.environ.get("OUTBOX_BEAT_INTERVAL_S", "1.0")),
+        queue="engine",
+        policy=outbox.RetryPolicy(poison=(ValueError, TypeError, IdempotencyConflict)),
+    )
+    app.task(name="engine.sweep", ignore_result=True)(sweep_task)
+    app.task(name="engine.periodic", ignore_result=True)(periodic_task)
+    every = {
+        "reconcile_downloads": settings.periodic_reconcile_s,
+        "verify_library": settings.periodic_verify_s,
+        "purge": settings.periodic_purge_s,
+    }
+    for kind_name in PERIODIC_KINDS:
+        app.conf.beat_schedule[f"periodic-{kind_name}"] = {
+            "task": "engine.periodic",
+            "schedule": every[kind_name],
+            "args": (kind_name, every[kind_name]),
+            "options": {"queue": "engine", "expires": every[kind_name]},
+        }
+    broker.bind(app)
+    load_kinds(settings)
+    register_step_tasks(app, settings)
+    on_register(lambda _kind: register_step_tasks(app, settings))
+    return app
 
 
 def _outbox_session() -> Session:  # resolved per call: `db.dispose()` may replace the engine
@@ -59,30 +100,23 @@ def _outbox_engine() -> outbox.Engine:
     return CeleryTaskEngine()
 
 
-# Invariant 6: `outbox.dispatch` on the `engine` queue, every beat tick and after each commit that
-# added events. The engine's typed input errors are deterministic: dead after 3 attempts.
-outbox_celery.install(
-    app,
-    session_factory=_outbox_session,
-    engine_factory=_outbox_engine,
-    beat_interval=float(os.environ.get("OUTBOX_BEAT_INTERVAL_S", "1.0")),
-    queue="engine",
-    policy=outbox.RetryPolicy(poison=(ValueError, TypeError, IdempotencyConflict)),
-)
-
-
-def load_kinds() -> None:
+def load_kinds(settings: Settings | None = None) -> None:
     """Import every module that declares kinds (the service's, plus `ENGINE_EXTRA_KINDS`)."""
+    settings = settings or get_settings()
     importlib.import_module("proj.kinds")
     for module in filter(None, (m.strip() for m in settings.engine_extra_kinds.split(","))):
         importlib.import_module(module)
 
 
-def register_step_tasks() -> None:
-    """Register one Celery task per served step, and consume only the served version queues."""
+def register_step_tasks(app: Celery, settings: Settings | None = None) -> None:
+    """Register one Celery task per served step, and consume only the served version queues.
+
+    Idempotent: called when the app is built and again for every kind declared afterwards.
+    """
     from proj.engine import protocol
     from proj.engine.kind import served_kinds
 
+    settings = settings or get_settings()
     queues = [Queue("engine")]
     for kind in served_kinds(settings.engine_serve):
         queues.append(Queue(kind.queue))
@@ -110,24 +144,15 @@ def register_step_tasks() -> None:
     app.conf.task_queues = queues
 
 
-@app.task(name="engine.sweep", ignore_result=True)
 def sweep_task() -> dict[str, object]:
-    """Beat-driven recovery; see `proj.engine.sweeper`."""
+    """Beat-driven recovery (`engine.sweep`); see `proj.engine.sweeper`."""
     from proj.engine.sweeper import sweep
 
     return sweep().__dict__
 
 
-PERIODIC = {
-    "reconcile_downloads": settings.periodic_reconcile_s,
-    "verify_library": settings.periodic_verify_s,
-    "purge": settings.periodic_purge_s,
-}
-
-
-@app.task(name="engine.periodic", ignore_result=True)
 def periodic_task(kind: str, every_s: float) -> str:
-    """Enqueue a periodic kind keyed by its time bucket: two beats still make one run."""
+    """`engine.periodic`: enqueue a periodic kind keyed by its time bucket: two beats make one run."""
     import time
 
     from proj.engine import runs
@@ -137,20 +162,11 @@ def periodic_task(kind: str, every_s: float) -> str:
     return str(ref.task_run_id)
 
 
-for _kind, _every in PERIODIC.items():
-    app.conf.beat_schedule[f"periodic-{_kind}"] = {
-        "task": "engine.periodic",
-        "schedule": _every,
-        "args": (_kind, _every),
-        "options": {"queue": "engine", "expires": _every},
-    }
-
-
 @signals.after_setup_logger.connect
 @signals.after_setup_task_logger.connect
 def _log_format(logger: logging.Logger, **_: object) -> None:
     """`LOG_FORMAT=json`: the loggers Celery just set up (root, task) write JSON (`proj.logs`)."""
-    if settings.log_format == "json":
+    if get_settings().log_format == "json":
         logs.use_json(logger)
 
 
@@ -187,5 +203,4 @@ def _preflight(**_: object) -> None:
         db.dispose()
 
 
-load_kinds()
-register_step_tasks()
+app = create_app()

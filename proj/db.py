@@ -50,7 +50,7 @@ def tcp_params() -> dict[str, int]:
 
     `tcp_user_timeout` bounds unacknowledged sends; keepalives probe an idle connection. Both
     follow `LEASE_TTL_S`, so a partitioned worker learns of it about when its lease runs out
-    (`tests/test_faults_partition.py`).
+    (`tests/faults/test_faults_partition.py`).
     """
     lease = get_settings().lease_ttl_s
     return {

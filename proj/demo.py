@@ -327,7 +327,7 @@ def watch(run_id: uuid.UUID, deadline: float) -> Any:
     On a terminal the table redraws in place; in a pipe or log, each step's status changes are
     printed as timeline lines (Live cannot redraw there), then the table once at the end.
     """
-    from proj.engine.protocol import TERMINAL
+    from proj.engine.status import TERMINAL
 
     run, steps = step_rows(run_id)
     if console.is_terminal:

@@ -179,17 +179,46 @@ def check_budget(settings: Settings) -> Check:
 
 
 def check_workers(settings: Settings) -> Check:
-    """Informational: a worker answering a ping, and the queues it consumes."""
+    """A worker answering a ping and the queues it consumes; a version queue that holds messages
+    no worker consumes is a warning (an old run waiting for a worker of its version, invariant
+    10, or a kind no worker serves). Proof:
+    `tests/integration/test_cli.py::test_doctor_warns_of_a_queue_nobody_consumes`.
+    """
     try:
         from proj.celery import app
 
         replies = app.control.inspect(timeout=1.0).active_queues() or {}
+        consumed = {q["name"] for qs in replies.values() for q in qs}
+        orphans = [(q, n) for q, n in queue_depths(app) if n and q not in consumed]
     except Exception as exc:
         return Check("workers", "WARN", _first_line(exc), "fix the broker check first")
+    waiting = "; ".join(f"{q} has {n} message(s) and no consumer" for q, n in orphans)
     if not replies:
-        return Check("workers", "WARN", "no worker answered within 1 s", "start `celery -A proj worker`")
-    queues = sorted({q["name"] for qs in replies.values() for q in qs})
-    return Check("workers", "OK", f"{len(replies)} worker(s); queues: {', '.join(queues)}")
+        detail = "no worker answered within 1 s" + (f"; {waiting}" if waiting else "")
+        return Check("workers", "WARN", detail, "start `celery -A proj worker`")
+    if orphans:
+        return Check(
+            "workers",
+            "WARN",
+            f"{len(replies)} worker(s); {waiting}",
+            "start a worker that serves those versions (ENGINE_SERVE), or let the runs drain",
+        )
+    return Check("workers", "OK", f"{len(replies)} worker(s); queues: {', '.join(sorted(consumed))}")
+
+
+def queue_depths(app: object) -> list[tuple[str, int]]:
+    """Messages waiting on each declared kind version's queue (a passive declare: creates none)."""
+    from proj.engine.kind import all_kinds
+
+    out: list[tuple[str, int]] = []
+    with app.connection_for_read() as conn:  # type: ignore[attr-defined]
+        channel = conn.default_channel
+        for name in sorted({k.queue for k in all_kinds()}):
+            try:
+                out.append((name, int(channel.queue_declare(queue=name, passive=True).message_count)))
+            except Exception:  # AMQP: a queue never declared does not exist (404 closes the channel)
+                channel = conn.channel()
+    return out
 
 
 def run_checks(

@@ -12,7 +12,7 @@ per thread and per task, so concurrent steps of a thread pool never mix. Wired f
 beat by Celery's `after_setup_logger` / `after_setup_task_logger` signals (`proj.celery`), for
 `proj admin` through uvicorn's `log_config`, and for the other CLI commands by `configure()`.
 
-Proof: `tests/test_json_logs.py` (a real worker subprocess, a step that logs, every line parsed).
+Proof: `tests/integration/test_json_logs.py` (a real worker subprocess, a step that logs, every line parsed).
 """
 
 from __future__ import annotations

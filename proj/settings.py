@@ -66,6 +66,10 @@ class Settings(BaseSettings):
         default="",
         description="versions this worker serves, e.g. 'demo@1,demo@2'; empty = current+previous",
     )
+    celery_app: str = Field(
+        default="proj.celery",
+        description="the wiring module that builds the Celery app and binds it to the engine",
+    )
     engine_extra_kinds: str = Field(
         default="", description="comma-separated modules declaring extra kinds (tests, plugins)"
     )

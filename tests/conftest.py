@@ -1,7 +1,9 @@
 """Real services for the tests: a fresh Postgres database, a Redis database, real workers.
 
 The environment is set before `proj` is imported, because settings are read once per process
-and worker subprocesses inherit it.
+and worker subprocesses inherit it. Services are started by the `database` fixture, not at
+import, and tests under `tests/unit/` never ask for it: `pytest tests/unit` runs on a machine
+with neither Postgres nor Redis (scripts/test runs it against unreachable URLs to prove it).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 
 from tests.support import services  # noqa: E402
 
-services.ensure_postgres()
-services.ensure_redis()
+UNIT = os.path.join(_ROOT, "tests", "unit") + os.sep
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def database() -> str:
-    """Recreate the test database once per session and migrate it with `proj migrate`'s code."""
+    """Start Postgres and Redis where they are not running, recreate the test database once per
+    session and migrate it with `proj migrate`'s code."""
+    services.ensure_postgres()
+    services.ensure_redis()
     services.recreate_database(PG_ADMIN_URL, TEST_DB)
     from proj.cli import migrate_to_head
 
@@ -49,8 +53,12 @@ def database() -> str:
 
 
 @pytest.fixture(autouse=True)
-def clean_state(database: str) -> None:
-    """Each test starts with empty engine, ledger, outbox and business tables and queues."""
+def clean_state(request: pytest.FixtureRequest) -> None:
+    """Each test starts with empty engine, ledger, outbox and business tables and queues
+    (a unit test asks for no service at all)."""
+    if str(request.path).startswith(UNIT):
+        return
+    request.getfixturevalue("database")
     services.truncate_all()
     services.flush_broker()
 

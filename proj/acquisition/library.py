@@ -31,11 +31,14 @@ class LibraryFull(OSError):
 
     Raised before a copy starts (`check_space`) and when a write fails with ENOSPC or EDQUOT in
     the middle (`copy_file`, whose temp file is removed first). Proof:
-    `tests/test_faults_disk.py`.
+    `tests/faults/test_faults_disk.py`.
     """
 
     def __init__(self, root: Path, needed: int, free: int) -> None:
-        super().__init__(errno.ENOSPC, f"library full: needs {needed} bytes, {free} free on {root}")
+        super().__init__(
+            errno.ENOSPC,
+            f"library full: needs {needed} bytes, {free} free on {root} ({os.strerror(errno.ENOSPC)})",
+        )
         self.root, self.needed, self.free = root, needed, free
 
 

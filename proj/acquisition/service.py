@@ -11,7 +11,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -21,6 +21,8 @@ from proj.acquisition import torrents
 from proj.acquisition.models import Approval, DownloadTask, LibraryItem, TaskEvent
 from proj.engine.errors import BadInput, EngineError
 from proj.engine.port import TaskEngine
+from proj.engine.status import TERMINAL
+from proj.engine.store.runs import find_by_keys
 from proj.settings import get_settings
 
 
@@ -151,7 +153,7 @@ def approve(session: Session, task_id: uuid.UUID, approved_by: str) -> None:
     """Write the approval (the truth the `acquire` wait checks) and its timeline event.
 
     Raises `RequestConflict` when the request was already approved, rejected or canceled:
-    a decision is taken once (`tests/test_front_door.py::test_decisions_are_taken_once`).
+    a decision is taken once (`tests/integration/test_front_door.py::test_decisions_are_taken_once`).
     """
     check_actor(approved_by)
     task = load(session, task_id, lock=True)
@@ -229,7 +231,7 @@ def submit_request(
 
     Same key and same body returns the request the first call made; same key and another body
     raises `KeyConflict`. Two concurrent first calls race on the unique index; the loser reads
-    the winner's row (`tests/test_front_door.py::test_idempotency_key`).
+    the winner's row (`tests/integration/test_front_door.py::test_idempotency_key`).
     """
     if client_key is not None and (not client_key or len(client_key) > 200 or not _storable(client_key)):
         raise BadInput("Idempotency-Key must be 1..200 characters")
@@ -341,15 +343,8 @@ def cancel_download(
 
 def _open_runs(s: Session, task_id: uuid.UUID) -> list[uuid.UUID]:
     """The request's unfinished acquire/import runs (found by their idempotency keys)."""
-    return list(
-        s.scalars(
-            text(
-                "SELECT id FROM engine.task_run WHERE idempotency_key = ANY(:keys) "
-                "AND status NOT IN ('succeeded', 'failed', 'canceled')"
-            ),
-            {"keys": [f"acquire:{task_id}", f"import:{task_id}"]},
-        ).all()
-    )
+    pairs = [("acquire", f"acquire:{task_id}"), ("import", f"import:{task_id}")]
+    return [r.id for r in find_by_keys(s, pairs) if r.status not in TERMINAL]
 
 
 # ------------------------------------------------------------------------------ reading
@@ -497,15 +492,10 @@ def request_detail(session: Session, task_id: uuid.UUID) -> RequestDetail:
     ).all()
     timeline = [{"at": e.at.isoformat(), "what": e.what, "detail": e.detail or {}} for e in events]
     approved_by = session.scalar(select(Approval.approved_by).where(Approval.download_task_id == task_id))
+    pairs = [(k, f"{k}:{task_id}") for k in ("acquire", "import", "notify", "retire_seed")]
     runs = [
-        {"id": str(r.id), "kind": r.kind, "version": r.version, "status": r.status}
-        for r in session.execute(
-            text(
-                "SELECT id, kind, version, status FROM engine.task_run "
-                "WHERE idempotency_key = ANY(:keys) ORDER BY created_at"
-            ),
-            {"keys": [f"{k}:{task_id}" for k in ("acquire", "import", "notify", "retire_seed")]},
-        ).all()
+        {"id": str(r.id), "kind": r.kind, "version": r.version, "status": str(r.status)}
+        for r in find_by_keys(session, pairs)
     ]
     return RequestDetail(
         row=_row(task),

@@ -7,7 +7,7 @@ whichever door it came through.
 Auth: bearer tokens from the environment, separate from the admin's Basic auth. `API_TOKEN`
 opens the request endpoints, `HOOK_TOKEN` opens the hook only. A missing or wrong token is a
 401 JSON answer, checked before the body is read, so nothing is written
-(`tests/test_front_door.py::test_api_auth`). An unset token disables its endpoints (401 that
+(`tests/integration/test_front_door.py::test_api_auth`). An unset token disables its endpoints (401 that
 says so).
 """
 

@@ -7,7 +7,7 @@ the app was made with `insecure=True` (loopback only, see `proj admin --insecure
 Browsers resend Basic credentials on cross-site requests, so every POST also needs the per-session
 CSRF token (a signed session cookie, `SameSite=Strict`); a POST without it gets 403. Every answer
 carries a CSP allowing scripts from this origin only (no inline script), `frame-ancestors 'none'`
-and `nosniff` (`tests/test_front_door.py::test_security_headers`).
+and `nosniff` (`tests/integration/test_front_door.py::test_security_headers`).
 """
 
 from __future__ import annotations
@@ -385,7 +385,7 @@ def create_app(
 
     @r.get("/overview", response_class=HTMLResponse)
     def overview_page(request: Request) -> Response:
-        """Charts of the numbers `/metrics` serves (`tests/test_overview_browser.py`)."""
+        """Charts of the numbers `/metrics` serves (`tests/integration/test_overview_browser.py`)."""
         try:
             snap = source.snapshot(overview=True)
         except MetricsUnavailable as exc:

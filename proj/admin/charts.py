@@ -3,7 +3,7 @@
 Why server-side: the admin's CSP allows scripts from its own origin only and the page must read
 at a glance without one. Each chart is a self-contained `<svg>` with axes, a legend and the
 values printed; every bar carries `data-series`, `data-label` and `data-value` so a test reads
-what is drawn (`tests/test_overview_browser.py`). Text is escaped here: labels come from the
+what is drawn (`tests/integration/test_overview_browser.py`). Text is escaped here: labels come from the
 database (kind names).
 """
 

@@ -3,7 +3,7 @@
 Why a custom collector over the database instead of counters in the workers: Postgres is the
 truth, so every number (counters and histograms included) is derived from the tables and
 survives worker and admin restarts, and any number of admin replicas agree
-(`tests/test_metrics.py::test_scrape_reports_the_engine_state`). The statements live in
+(`tests/integration/test_metrics.py::test_scrape_reports_the_engine_state`). The statements live in
 `proj.engine.store.stats`; the outbox is read here (it is not engine state).
 
 Fast and slow: what alerts need (live and failed runs, live steps, the outbox backlog, lease
@@ -14,7 +14,7 @@ served from its last read (`HistoryCache`); the first scrape waits for it up to 
 
 Bounds: a scrape opens one short connection with `connect_timeout` and `statement_timeout`
 from `METRICS_TIMEOUT_S`, so a down or locked database answers 503 with the reason instead of
-hanging (`tests/test_metrics.py::test_database_down_answers_503_quickly`, `::test_locked_…`).
+hanging (`tests/integration/test_metrics.py::test_database_down_answers_503_quickly`, `::test_locked_…`).
 The broker is read with the same bound; if it does not answer, `proj_queue_messages` is left
 out and the scrape still succeeds.
 
@@ -382,7 +382,7 @@ def _buckets(h: stats.Histogram) -> list[tuple[str, float]]:
 def exported_series() -> set[str]:
     """Every series name a scrape may contain (histograms as `_bucket/_sum/_count`, counters as
     `_total`), from the collector itself: what the Grafana dashboard may use
-    (`tests/test_dashboard.py`)."""
+    (`tests/unit/test_dashboard.py`)."""
     out: set[str] = set()
     for fam in EngineCollector().describe():
         if fam.type == "counter":

@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 
 from proj.admin.timeline import RunInfo, TimelineEvent, build_timeline, has_hook
 from proj.engine.models import RUN_STATUSES
+from proj.engine.status import ACTIVE
 
-ACTIVE = ("pending", "running", "waiting")
 PAGE = 50
 
 

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from proj.engine import runs
+from proj.engine import broker, runs
 from proj.engine.port import TaskRunRef, TaskRunView
 
 
@@ -22,6 +22,8 @@ class CeleryTaskEngine:
     """
 
     def __init__(self) -> None:
+        # The wiring loads every kind: the port must know them all before its first enqueue.
+        self._app = broker.app()
         self._worker: Any = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -52,15 +54,18 @@ class CeleryTaskEngine:
     def get(self, task_run_id: UUID) -> TaskRunView | None:
         return runs.get(task_run_id)
 
+    def find(self, kind: str, idempotency_key: str) -> TaskRunView | None:
+        return runs.find(kind, idempotency_key)
+
     def start(self, *, roles: Sequence[str] = ("worker",), concurrency: int = 2) -> None:
         """Run a worker (`worker`) and/or the periodic sweeper (`beat`) in this process.
 
         `outbox` (with `beat`) also dispatches the outbox every tick, as `celery -A proj beat`
         does. Off by default: tests drive `outbox.dispatch` themselves and count its calls.
         """
-        from proj.celery import app
         from proj.engine.preflight import check_connection_budget, check_schema
 
+        app = self._app
         check_schema()
         check_connection_budget()
         self._stopping.clear()
@@ -110,9 +115,8 @@ class CeleryTaskEngine:
                 # right here, as `celery -A proj beat` would schedule it.
                 try:
                     from outbox.celery import TASK_NAME
-                    from proj.celery import app
 
-                    app.tasks[TASK_NAME]()
+                    self._app.tasks[TASK_NAME]()
                 except Exception:  # the next tick retries; failures are recorded on the rows
                     time.sleep(1)
             self._stopping.wait(get_settings().sweep_interval_s)

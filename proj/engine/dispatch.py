@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import text
 
 from proj import db
+from proj.engine import broker
 from proj.engine.kind import queue_name, task_name
 from proj.settings import get_settings
 
@@ -73,12 +74,6 @@ def step_dispatch(step_id: int, kind: str, version: int, step: str, priority: in
     return Dispatch(step_id, task_name(kind, version, step), queue_name(kind, version), priority)
 
 
-def _app():  # imported lazily: the Celery app imports the kinds, which import the engine
-    from proj.celery import app
-
-    return app
-
-
 class _BufferedSentEvents:
     """Stands in for the event dispatcher Celery's `send_task_message` publishes `task-sent`
     with (its `event_dispatcher` option): the events go into a buffered dispatcher instead, which
@@ -116,7 +111,7 @@ def publish(items: Sequence[Dispatch]) -> list[Dispatch]:
     """Send the messages; return the ones that could not be sent."""
     if not items:
         return []
-    app = _app()
+    app = broker.app()
     copies = get_settings().fault_duplicate_publish
     failed: list[Dispatch] = []
     try:

@@ -62,3 +62,7 @@ class SchemaBehind(EngineError):
 
 class ConnectionBudgetExceeded(EngineError):
     """The configured pools could exhaust Postgres' `max_connections`."""
+
+
+class EngineNotWired(EngineError):
+    """No Celery app could be had to publish through (`proj.engine.broker`)."""

@@ -230,6 +230,17 @@ class Kind:
 
 
 _REGISTRY: dict[tuple[str, int], Kind] = {}
+_ON_REGISTER: list[Callable[[Kind], None]] = []
+
+
+def on_register(listener: Callable[[Kind], None]) -> None:
+    """Call `listener` with every kind registered from now on.
+
+    Why: the wiring registers one Celery task and queue per served step when it builds the app;
+    a kind declared after that (a script that imported the app first) must be served too
+    (`tests/integration/test_wiring.py`).
+    """
+    _ON_REGISTER.append(listener)
 
 
 def register(kind: Kind) -> Kind:
@@ -239,6 +250,9 @@ def register(kind: Kind) -> Kind:
     if existing is not None and existing is not kind and existing.step_names() != kind.step_names():
         raise ValueError(f"{kind.name}@{kind.version} declared twice with different steps")
     _REGISTRY[key] = kind
+    if existing is None:
+        for listener in list(_ON_REGISTER):
+            listener(kind)
     return kind
 
 

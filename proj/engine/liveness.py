@@ -17,12 +17,12 @@ How:
   slot hand-off and publishing are exactly those of an expired lease.
 - A frozen (SIGSTOP) or partitioned process keeps its session, so its lock, so its lease: it is
   recovered by lease expiry only, and its late commit is refused by the token fence
-  (`tests/test_recovery_fast.py`). A Postgres restart drops every lock but kills no worker: the
+  (`tests/faults/test_recovery_fast.py`). A Postgres restart drops every lock but kills no worker: the
   postmaster start in the owner no longer matches, so those steps also fall back to the lease.
 - Without a liveness connection (database down at claim time, or `REAP_INTERVAL_S=0`) the owner
   is plain `host:pid` and only the lease applies.
 
-Proof: `tests/test_recovery_fast.py` (kill -9 of a worker and of a prefork child with
+Proof: `tests/faults/test_recovery_fast.py` (kill -9 of a worker and of a prefork child with
 `LEASE_TTL_S=15`: resumed in about a second, the effect once; SIGSTOP keeps the lease).
 """
 
@@ -120,7 +120,7 @@ class Liveness:
                 autocommit=True,
                 application_name=APPLICATION_NAME,
                 connect_timeout=5,
-                **db.tcp_params(),
+                **db.tcp_params(),  # type: ignore[arg-type]  # libpq keywords psycopg passes on
             )
             row = conn.execute(_LOCK_AND_IDENTIFY, {"key": key}).fetchone()
         except psycopg.Error as exc:
@@ -159,7 +159,7 @@ class Liveness:
         rows = self._conn.execute(_END_LEASES_OF_DEAD_OWNERS).fetchall()
         if not rows:
             return 0
-        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({r[1] for r in rows}))
+        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({str(r[1]) for r in rows}))
         recover_now()
         return len(rows)
 

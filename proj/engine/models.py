@@ -24,10 +24,12 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from proj.engine.status import RunStatus, StepStatus
+
 SCHEMA = "engine"
 
-RUN_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "canceled")
-STEP_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "canceled")
+RUN_STATUSES = tuple(RunStatus)
+STEP_STATUSES = tuple(StepStatus)
 
 
 class Base(DeclarativeBase):
@@ -58,11 +60,30 @@ class TaskRun(Base):
             postgresql_where=text("status = 'pending'"),
         ),
         Index(
+            "task_run_kind_key_idx",
+            "kind",
+            "concurrency_key",
+            postgresql_where=text("status IN ('pending','running','waiting')"),
+        ),
+        Index(
             "task_run_concurrency_idx",
             "concurrency_key",
             postgresql_where=text(
                 "concurrency_key IS NOT NULL AND status IN ('pending','running','waiting')"
             ),
+        ),
+        Index(
+            "task_run_finished_idx",
+            "finished_at",
+            "status",
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
+        Index(
+            "task_run_live_idx",
+            "kind",
+            "version",
+            "status",
+            postgresql_where=text("status IN ('pending', 'running', 'waiting', 'failed')"),
         ),
     )
 
@@ -99,6 +120,13 @@ class Step(Base):
         Index("step_lease_idx", "lease_until", postgresql_where=text("status = 'running'")),
         Index("step_wait_until_idx", "wait_until", postgresql_where=text("status = 'waiting'")),
         Index("step_wait_topic_idx", "wait_topic", postgresql_where=text("status = 'waiting'")),
+        Index(
+            "step_blocked_idx",
+            "run_id",
+            postgresql_where=text("status = 'pending' AND blocked_at IS NOT NULL"),
+        ),
+        Index("step_running_run_idx", "run_id", postgresql_where=text("status = 'running'")),
+        Index("step_signalled_idx", "signalled_at", postgresql_where=text("signalled_at IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -128,6 +156,10 @@ class Step(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # concurrency limits (0003): why a claim found no free slot, which limit, and when
+    blocked_reason: Mapped[str | None] = mapped_column(Text)
+    blocked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    blocked_on: Mapped[str | None] = mapped_column(Text)
 
 
 class StepAttempt(Base):
@@ -157,3 +189,13 @@ class TaskSignal(Base):
     topic: Mapped[str] = mapped_column(Text)
     payload: Mapped[Any | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class Counter(Base):
+    """Monotonic engine counters (`lease_recoveries`, bumped by the sweeper): what `purge` must
+    not reset, unlike counts of rows (`proj_lease_recoveries_total`)."""
+
+    __tablename__ = "counter"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, server_default="0")

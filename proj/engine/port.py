@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 from uuid import UUID
 
-RunStatus = Literal["pending", "running", "waiting", "succeeded", "failed", "canceled"]
+from proj.engine.status import RunStatus
+
+__all__ = ("RunStatus", "TaskEngine", "TaskRunRef", "TaskRunView")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class TaskEngine(Protocol):
     def cancel(self, task_run_id: UUID, reason: str) -> None: ...
 
     def get(self, task_run_id: UUID) -> TaskRunView | None: ...
+
+    def find(self, kind: str, idempotency_key: str) -> TaskRunView | None:
+        """The run `(kind, idempotency_key)` names, if any: business code keeps its keys, not ids."""
+        ...
 
     def start(self, *, roles: Sequence[str] = ("worker",), concurrency: int = 2) -> None: ...
 

@@ -48,7 +48,8 @@ def current_revision() -> str | None:
         exists = s.scalar(text("SELECT to_regclass('public.alembic_version') IS NOT NULL"))
         if not exists:
             return None
-        return s.scalar(text("SELECT version_num FROM public.alembic_version"))
+        revision: str | None = s.scalar(text("SELECT version_num FROM public.alembic_version"))
+        return revision
 
 
 def check_schema() -> None:

@@ -28,7 +28,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -43,19 +43,19 @@ from proj.engine.context import PlanContext, StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, LeaseLost, NonRetryable
 from proj.engine.heartbeat import HEARTBEAT
-from proj.engine.kind import Kind, RetryPolicy, WaitSpec, all_kinds, get_kind
+from proj.engine.kind import Kind, RetryPolicy, StepDef, WaitSpec, all_kinds, get_kind
+from proj.engine.status import TERMINAL
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("succeeded", "failed", "canceled")
 
 # The claim is one statement: it takes the lease, marks the run started and opens the attempt
 # record (same lock order as before: the step row, then the run row).
 # `(… ) IS TRUE` around the step's state keeps the planner on the primary key: a plain
 # `status = 'pending'` lets it pick the partial `step_due_idx` and filter it by id, which
 # statistics taken before a backlog built up make look cheap, and which is O(backlog) per claim
-# (`tests/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
+# (`tests/integration/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
 _CLAIM_BODY = """
     claimed AS (
         UPDATE engine.step s
@@ -92,7 +92,7 @@ _CLAIM = text("WITH" + _CLAIM_BODY.format(target=":id"))
 # `me` is materialized and read through scalar subqueries so that kind, version and the priority
 # bound reach `task_run_start_idx` as index conditions even in the generic plan of a prepared
 # statement (psycopg prepares after 5 runs); joined instead, they were a filter over every run of
-# the kind, finished ones included (`tests/test_limits.py::test_a_start_claim_probes_only_…`).
+# the kind, finished ones included (`tests/integration/test_limits.py::test_a_start_claim_probes_only_…`).
 _CLAIM_START = text(
     """
     WITH me AS MATERIALIZED (
@@ -394,7 +394,7 @@ def _waiters(s: Session, gate: Gate, n: int, before: Any = None) -> list[Any]:
     if before is not None:
         better = _BETTER
         params.update(prio=before.priority, created=before.created_at, run=before.run_id)
-    return s.execute(text(_WAITERS.format(key=key, better=better)), params).all()
+    return list(s.execute(text(_WAITERS.format(key=key, better=better)), params).all())
 
 
 def blocked_fresh_s() -> float:
@@ -513,7 +513,7 @@ def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
     """One attempt of a claimed step: span, body, fenced commit, hand-off, publish.
 
     Lines logged during the attempt carry its run, kind, step, attempt and worker
-    (`proj.logs`, `LOG_FORMAT=json`; `tests/test_json_logs.py`)."""
+    (`proj.logs`, `LOG_FORMAT=json`; `tests/integration/test_json_logs.py`)."""
     kind = get_kind(c.kind, c.version)
     carry = budget.carry(c, kind)
     fields = logs.StepFields(str(c.run_id), c.kind, c.name, c.attempt, worker_id())
@@ -588,7 +588,9 @@ def _attempt(
     return outcome, to_publish, error
 
 
-def _commit_or_refuse(fn: Any, *args: Any) -> tuple[str, list[Dispatch]]:
+def _commit_or_refuse(
+    fn: Callable[..., tuple[str, list[Dispatch]]], *args: Any
+) -> tuple[str, list[Dispatch]]:
     try:
         return fn(*args)
     except LeaseLost as exc:
@@ -955,7 +957,7 @@ def create_stage(
     """
     st = kind.canvas[stage]
     inline = carry is not None and carry.parent.run_id == run_id and available_at is None
-    if inline and st.single and _claim_next(s, carry, kind, stage):
+    if carry is not None and inline and st.single and _claim_next(s, carry, kind, stage):
         return True, []
     rows = stage_rows(kind, stage, plan)
     due_now = available_at is None
@@ -966,7 +968,7 @@ def create_stage(
     return bool(rows["names"]), stage_dispatches(kind, inserted, priority) if due_now else []
 
 
-def stage_dispatches(kind: Kind, inserted: list[Any], priority: int) -> list[Dispatch]:
+def stage_dispatches(kind: Kind, inserted: Sequence[Any], priority: int) -> list[Dispatch]:
     """The messages for step rows a stage insert returned (`id`, `name`)."""
     return [dispatch.step_dispatch(r.id, kind.name, kind.version, r.name, priority) for r in inserted]
 
@@ -975,6 +977,7 @@ def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]
     """The step rows of `stage` as the array parameters of `_CREATE_STAGE`: one per static
     step, or one per item of a fan-out (none for an empty one)."""
     st = kind.canvas[stage]
+    rows: list[tuple[StepDef, int, str | None]]
     if st.over is not None:
         items = list(st.over(plan))
         rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -34,12 +34,15 @@ from proj.engine.kind import Kind, get_kind
 from proj.engine.port import TaskRunRef, TaskRunView
 from proj.engine.protocol import (
     STAGE_STEPS,
-    TERMINAL,
     create_stage,
     finalize_cancel,
     stage_dispatches,
     stage_rows,
 )
+from proj.engine.status import TERMINAL, RunStatus
+from proj.engine.store import runs as store_runs
+from proj.engine.store import waits
+from proj.engine.store.waits import Woken
 from proj.settings import get_settings
 
 TOPIC_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}(:[A-Za-z0-9_.\-/@+=]{1,200})*")  # whole topic: fullmatch
@@ -300,7 +303,7 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         id=row.id,
         kind=row.kind,
         version=row.version,
-        status=row.status,
+        status=RunStatus(row.status),
         current_step=row.current_step,
         attempts=row.step_attempts or 0,
         last_error=row.last_error,
@@ -316,6 +319,13 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
     )
 
 
+def find(kind: str, idempotency_key: str) -> TaskRunView | None:
+    """The run a `(kind, idempotency_key)` names, if it was ever enqueued (invariant 5)."""
+    with db.transaction() as s:
+        found = store_runs.find_by_keys(s, [(kind, idempotency_key)])
+    return get(found[0].id) if found else None
+
+
 def _pending_reason(row: Any) -> str | None:
     """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
     its version picked it up."""
@@ -324,7 +334,7 @@ def _pending_reason(row: Any) -> str | None:
     if row.due_at > row.db_now:
         return f"scheduled for {row.due_at.isoformat()}"
     if row.blocked_reason:
-        return row.blocked_reason
+        return str(row.blocked_reason)
     waited = (row.db_now - max(row.due_at, row.pending_since)).total_seconds()
     if waited > get_settings().republish_after_s:
         return (
@@ -346,40 +356,15 @@ def signal(topic: str, payload: Any = None) -> int:
             text("INSERT INTO engine.task_signal (topic, payload) VALUES (:t, CAST(:p AS jsonb))"),
             {"t": topic, "p": body},
         )
-        out = wake(s, "s.wait_topic = :t", {"t": topic}, signalled=True)
+        out = woken_dispatches(waits.wake_topic(s, topic))
     # Many waiters on one topic travel WAKE_BATCH to a message (`dispatch.batched`).
     dispatch.publish_after_commit(dispatch.batched(out, dispatch.wake_batch_size()))
     return len(out)
 
 
-def wake(s: Session, where: str, params: Mapping[str, Any], *, signalled: bool = False) -> list[Dispatch]:
-    """Send parked steps back to work (signal or timer); the run shows `running` again.
-
-    `signalled`: a signal woke them (not a timer): `signalled_at` records when, the start of
-    `proj_signal_wake_seconds` (`tests/test_metrics.py::test_scrape_reports_the_engine_state`).
-    """
-    rows = s.execute(
-        text(
-            f"""
-            UPDATE engine.step s SET status = 'pending', next_attempt_at = now(),
-                   published_at = now(),
-                   signalled_at = CASE WHEN :signalled THEN now() ELSE s.signalled_at END
-              FROM engine.task_run r
-             WHERE r.id = s.run_id AND s.status = 'waiting' AND {where}
-         RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
-            """
-        ),
-        {**params, "signalled": signalled},
-    ).all()
-    if rows:
-        s.execute(
-            text(
-                "UPDATE engine.task_run SET status = 'running', updated_at = now() "
-                "WHERE id = ANY(:ids) AND status = 'waiting'"
-            ),
-            {"ids": list({r.run_id for r in rows})},
-        )
-    return [step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in rows]
+def woken_dispatches(woken: Sequence[Woken]) -> list[Dispatch]:
+    """The messages for steps a wake sent back to work."""
+    return [step_dispatch(w.id, w.kind, w.version, w.name, w.priority) for w in woken]
 
 
 def cancel(run_id: uuid.UUID, reason: str) -> None:

@@ -27,8 +27,8 @@ from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
 from proj.engine.kind import get_kind
 from proj.engine.protocol import fail_run, finalize_cancel, handoff
-from proj.engine.runs import wake
-from proj.engine.store import stats
+from proj.engine.runs import woken_dispatches
+from proj.engine.store import stats, waits
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,7 @@ def sweep(*, wait: bool = False) -> SweepReport:
             except UnknownKind:  # a version this process does not know: waiters are re-sent below
                 continue
             to_publish.extend(handoff(s, kind, key))
-        woken = wake(
-            s,
-            "s.id IN (SELECT id FROM engine.step WHERE status = 'waiting' AND wait_until <= now() LIMIT :n)",
-            {"n": BATCH},
-        )
+        woken = woken_dispatches(waits.wake_due_timers(s, BATCH))
         report.woken = len(woken)
         to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
         cancels = s.scalars(
@@ -143,7 +139,9 @@ def _slots(s: Session, run_ids: list[Any]) -> list[Any]:
     """The (kind, version, concurrency_key) of runs whose step lost its lease: slots to hand off."""
     if not run_ids:
         return []
-    return s.execute(
-        text("SELECT DISTINCT kind, version, concurrency_key FROM engine.task_run WHERE id = ANY(:ids)"),
-        {"ids": run_ids},
-    ).all()
+    return list(
+        s.execute(
+            text("SELECT DISTINCT kind, version, concurrency_key FROM engine.task_run WHERE id = ANY(:ids)"),
+            {"ids": run_ids},
+        ).all()
+    )

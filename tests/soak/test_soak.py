@@ -21,7 +21,7 @@ outbox and the webhook receiver.
 
 qBittorrent's on-finish hook appends `%I` to a file and a relay thread here calls the engine's
 `signal` for each line (the production hook is `proj signal download:%I`, covered by
-`tests/test_acquisition_e2e.py`; 200 Python start-ups would starve a small CI machine).
+`tests/integration/test_acquisition_e2e.py`; 200 Python start-ups would starve a small CI machine).
 """
 
 from __future__ import annotations

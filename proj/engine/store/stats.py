@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
@@ -236,7 +235,8 @@ def finished_per_minute(s: Executor) -> list[MinuteCount]:
 
 def database_now(s: Executor) -> datetime:
     """The database's clock: charts are aligned on it, not on this host's."""
-    return s.execute(DATABASE_NOW).scalar_one()
+    now: datetime = s.execute(DATABASE_NOW).scalar_one()
+    return now
 
 
 def step_durations(s: Executor) -> dict[tuple[str, str], Histogram]:
@@ -254,8 +254,7 @@ def signal_wakes(s: Executor) -> Histogram:
     """`proj_signal_wake_seconds`: signal → the woken step claimed again."""
     per: dict[int, int] = {}
     total = 0.0
-    rows: Any = s.execute(SIGNAL_WAKE_BUCKETS, {"bounds": list(SIGNAL_WAKE_BOUNDS)})
-    for r in rows:
+    for r in s.execute(SIGNAL_WAKE_BUCKETS, {"bounds": list(SIGNAL_WAKE_BOUNDS)}):
         per[int(r.bucket)] = int(r.n)
         total += float(r.total or 0.0)
     return cumulative(SIGNAL_WAKE_BOUNDS, per, total)

@@ -1,4 +1,4 @@
-"""Loaded (via PYTHONPATH) only by the processes tests/test_clock.py runs under libfaketime.
+"""Loaded (via PYTHONPATH) only by the processes tests/faults/test_clock.py runs under libfaketime.
 
 libfaketime moves the wall clock; the monotonic clock is left alone (DONT_FAKE_MONOTONIC), as on
 a host whose clock is simply wrong. Its clock_nanosleep wrapper then rejects Python's absolute

@@ -21,10 +21,10 @@ import pytest
 
 from proj.engine import runs
 from tests.conftest import new_key
+from tests.integration.test_ledger import _effects_input, _run_status, op_row
 from tests.kinds_effects import Receiver, lines_for, read_journal
 from tests.support.proxy import CutProxy
 from tests.support.services import pg_url, scalar, sql, wait_for
-from tests.test_ledger import _effects_input, _run_status, op_row
 
 pytestmark = pytest.mark.timeout(180)
 

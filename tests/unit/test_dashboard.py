@@ -1,33 +1,22 @@
 """The Grafana dashboard (`deploy/grafana/proj.json`) names only metrics the collector exports,
 and shows every one of them. No services: the names come from the collector's own `describe()`
-(`proj.admin.metrics.exported_series`); `tests/test_metrics.py` checks a real scrape has them."""
+(`proj.admin.metrics.exported_series`); `tests/integration/test_metrics.py` checks a real scrape has them."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-import pytest
-
 from proj.admin.metrics import EngineCollector, exported_series
-from tests.support.services import ROOT
 
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "proj.json"
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless"}
 KEYWORDS |= {"offset", "inf", "nan"}
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-
-
-@pytest.fixture
-def database() -> None:
-    """This module needs no database: conftest's autouse fixtures are replaced by no-ops."""
-
-
-@pytest.fixture
-def clean_state() -> None:
-    """Nothing to clean: no service is used."""
 
 
 def metric_names(expr: str) -> set[str]:

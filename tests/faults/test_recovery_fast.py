@@ -18,9 +18,9 @@ import pytest
 
 from proj.engine import runs
 from tests.conftest import new_key
+from tests.integration.test_ledger import _effects_input, _run_status, op_row
 from tests.kinds_effects import Receiver, lines_for, read_journal
 from tests.support.services import scalar, sql, wait_for
-from tests.test_ledger import _effects_input, _run_status, op_row
 
 LEASE = {"LEASE_TTL_S": "15", "SWEEP_INTERVAL_S": "1", "REAP_INTERVAL_S": "0.25"}
 FAST_BOUND_S = 5.0  # far below the 15 s lease: only the liveness path can be this quick

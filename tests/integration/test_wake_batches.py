@@ -14,19 +14,10 @@ import pytest
 import redis
 
 from proj.engine import runs
-from proj.engine.dispatch import Dispatch, batched, wake_batch_size
+from proj.engine.dispatch import wake_batch_size
 from proj.settings import get_settings
 from tests.conftest import BROKER, new_key
 from tests.support.services import scalar, wait_for
-
-
-def test_batched_groups_by_task_queue_and_priority_in_order() -> None:
-    items = [Dispatch(i, "k.v1.s", "k.v1", 0) for i in range(1, 8)]
-    items += [Dispatch(20, "k.v1.s", "k.v1", 5), Dispatch(30, "k.v1.t", "k.v1", 0)]
-    out = batched(items, 3)
-    assert [d.step_ids for d in out] == [(1, 2, 3), (4, 5, 6), (7,), (20,), (30,)]
-    assert [(d.task_name, d.priority) for d in out] == [("k.v1.s", 0)] * 3 + [("k.v1.s", 5), ("k.v1.t", 0)]
-    assert batched(items, 1) == items  # one message per step
 
 
 @pytest.fixture

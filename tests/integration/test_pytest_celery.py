@@ -10,7 +10,7 @@ Runs are enqueued and read inside the worker container, where the configuration 
 - a durable run completes;
 - the worker container killed mid-step: a new worker container resumes the step, through the
   sweeper, and the run completes.
-Docker that cannot run fails these tests with the reason (`tests/test_compose.py::docker_ok`).
+Docker that cannot run fails these tests with the reason (`tests/integration/test_compose.py::docker_ok`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.support.services import wait_for
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600), pytest.mark.usefixtures("images")]
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 PG_PASSWORD = "pw-" + uuid.uuid4().hex[:8]
 
 

@@ -176,3 +176,20 @@ def test_admin_command_serves_with_auth_and_never_logs_the_password(tmp_path) ->
     out = log.read_text()
     assert f"admin on http://127.0.0.1:{port}/admin (user ops)" in out
     assert secret not in out
+
+
+def test_doctor_warns_of_a_queue_nobody_consumes(procs) -> None:
+    """A version queue holding messages that no worker consumes (invariant 10's old run with no
+    worker of its version) is named by `proj doctor`, with its count; served queues are not."""
+    from proj.celery import app
+    from proj.engine.kind import get_kind
+
+    served, orphan = get_kind("probe", 1), get_kind("flaky", 1)
+    procs.worker("w1", concurrency=1, env={"ENGINE_SERVE": "probe@1"})
+    for _ in range(2):
+        app.send_task(orphan.task_name(orphan.step_names()[0]), args=(0,), queue=orphan.queue)
+    app.send_task(served.task_name(served.step_names()[0]), args=(0,), queue=served.queue)
+    code, out = proj("doctor")
+    assert f"{orphan.queue} has 2 message(s) and no consumer" in out, out
+    assert f"{served.queue} has" not in out, out
+    assert "workers           │ WARN" in out, out

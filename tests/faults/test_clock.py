@@ -23,7 +23,7 @@ from tests.conftest import new_key
 from tests.support.services import scalar, sql, wait_for
 
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
-SITE = Path(__file__).resolve().parent / "support" / "faketime_site"
+SITE = Path(__file__).resolve().parents[1] / "support" / "faketime_site"
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -451,6 +451,6 @@ def test_broker_down_rows_stay_pending_then_go_out_when_it_is_back(procs, tmp_pa
 
 
 def test_models_match_the_migration() -> None:
-    from tests.test_ledger import schema_diff
+    from tests.integration.test_ledger import schema_diff
 
     assert schema_diff("outbox", outbox.Base.metadata) == []

@@ -28,7 +28,7 @@ from proj.demo import PAYLOAD_FILES, TIMEOUT_S, TITLE, expected_digests, outcome
 from tests.conftest import BROKER, PG_ADMIN_URL, TEST_DB
 from tests.support import services
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 FINAL = re.compile(
     r"^demo request ([0-9a-f-]{36}) imported: (\d+) files, (\d+) bytes, sha256 verified; "

@@ -7,8 +7,8 @@ import re
 import uuid
 
 from tests.conftest import new_key
+from tests.integration.test_admin_browser import admin_url, browser_page, chromium_installed, shot  # noqa: F401
 from tests.support.services import scalar, sql, wait_for
-from tests.test_admin_browser import admin_url, browser_page, chromium_installed, shot  # noqa: F401
 
 
 def _status(run_id: uuid.UUID) -> str:

@@ -66,6 +66,16 @@ def test_enqueue_is_idempotent_forever(inproc) -> None:
     assert scalar("SELECT count(*) FROM testkit.execution") == 5
 
 
+def test_find_names_a_run_by_its_kind_and_key_only(engine) -> None:
+    """The port's `find`: business code keeps its keys, not run ids, and reads no engine table."""
+    key = new_key()
+    ref = engine.enqueue("probe", {"n": 1}, idempotency_key=key)
+    view = engine.find("probe", key)
+    assert view is not None and view.id == ref.task_run_id and view.status == "pending"
+    assert engine.find("probe", new_key()) is None
+    assert engine.find("flaky", key) is None  # the same key under another kind names nothing
+
+
 def test_bad_input_writes_nothing(engine) -> None:
     with pytest.raises(UnknownKind):
         engine.enqueue("nope", {}, idempotency_key=new_key())

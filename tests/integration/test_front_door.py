@@ -231,7 +231,7 @@ def test_idempotency_key(api: TestClient, torrent_bytes: bytes) -> None:
 
 
 def test_bad_input_gets_a_clear_4xx_and_writes_nothing(api: TestClient, torrent_bytes, tmp_path) -> None:
-    from tests.test_bad_input import bencode
+    from tests.integration.test_bad_input import bencode
 
     escaping = bencode(
         {

@@ -1,0 +1,98 @@
+"""Torrent parsing (DESIGN §5: names that escape the library never get in) and settings, with
+no service at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torf
+from pydantic import ValidationError
+
+from proj.acquisition.torrents import BadTorrent, TorrentTooLarge, parse, verify_pieces
+from proj.settings import Settings
+
+
+def bencode(value: object) -> bytes:
+    """Enough bencoding to write torrents that torf itself would refuse to create."""
+    if isinstance(value, int):
+        return b"i%de" % value
+    if isinstance(value, str | bytes):
+        raw = value.encode() if isinstance(value, str) else value
+        return b"%d:%s" % (len(raw), raw)
+    if isinstance(value, list):
+        return b"l" + b"".join(bencode(v) for v in value) + b"e"
+    if isinstance(value, dict):
+        return b"d" + b"".join(bencode(k) + bencode(value[k]) for k in sorted(value)) + b"e"
+    raise TypeError(type(value))
+
+
+def multi_file(paths: list[list[str]], name: str = "pack") -> bytes:
+    files = [{"length": 3, "path": p} for p in paths]
+    info = {"name": name, "piece length": 16384, "pieces": b"\0" * 20, "files": files}
+    return bencode({"info": info})
+
+
+def real_torrent(tmp_path: Path) -> tuple[bytes, Path]:
+    content = tmp_path / "album"
+    (content / "cd1").mkdir(parents=True)
+    (content / "cd1" / "a.flac").write_bytes(b"a" * 40000)
+    (content / "b.txt").write_bytes(b"b" * 10)
+    t = torf.Torrent(path=content, private=True)
+    t.generate()
+    return t.dump(), tmp_path
+
+
+def test_a_real_multi_file_torrent_parses_with_its_files_and_infohash(tmp_path: Path) -> None:
+    data, _ = real_torrent(tmp_path)
+    meta = parse(data)
+    assert meta.name == "album"
+    assert sorted((f.rel_path, f.size) for f in meta.files) == [("b.txt", 10), ("cd1/a.flac", 40000)]
+    assert meta.total_size == 40010
+    assert len(meta.infohash) == 40 and meta.infohash == meta.infohash.lower()
+
+
+def test_pieces_are_verified_against_the_payload(tmp_path: Path) -> None:
+    data, save = real_torrent(tmp_path)
+    verify_pieces(data, save)  # the payload as created
+    (save / "album" / "cd1" / "a.flac").write_bytes(b"x" * 40000)  # same size, other bytes
+    with pytest.raises(BadTorrent, match="piece hashes|does not match"):
+        verify_pieces(data, save)
+
+
+@pytest.mark.parametrize(
+    ("paths", "name", "reason"),
+    [
+        ([["..", "etc", "passwd"]], "pack", "escapes|unsafe"),
+        ([["ok", "..", "..", "x"]], "pack", "escapes|unsafe"),
+        ([["/abs"]], "pack", "unsafe|escapes"),
+        ([["a"]], "../up", "escapes|unsafe"),
+        ([["same"], ["same"]], "pack", "same path"),
+        ([["d"], ["d", "f"]], "pack", "both a file and a folder"),
+    ],
+)
+def test_file_names_that_escape_or_clash_are_refused(paths: list[list[str]], name: str, reason: str) -> None:
+    with pytest.raises(BadTorrent, match=reason):
+        parse(multi_file(paths, name))
+
+
+def test_junk_empty_and_oversized_torrents_are_refused() -> None:
+    with pytest.raises(BadTorrent, match="empty"):
+        parse(b"")
+    with pytest.raises(BadTorrent, match="unreadable"):
+        parse(b"this is not bencode" * 10)
+    good = multi_file([["a"]])
+    assert parse(good).files[0].rel_path == "a"
+    with pytest.raises(TorrentTooLarge):
+        parse(good, max_bytes=len(good) - 1)
+
+
+def test_settings_refuse_impossible_values_and_hide_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEASE_TTL_S", "0.1")
+    with pytest.raises(ValidationError, match="lease_ttl_s"):
+        Settings()
+    monkeypatch.setenv("LEASE_TTL_S", "15")
+    monkeypatch.setenv("QBT_PASSWORD", "hunter2")
+    s = Settings()
+    assert s.lease_ttl_s == 15.0
+    assert "hunter2" not in repr(s) and "hunter2" not in str(s.model_dump())
