@@ -278,3 +278,24 @@ def test_locked_table_answers_503_within_the_statement_timeout(scrape: TestClien
     assert "timeout" in r.json()["detail"] or "canceling statement" in r.json()["detail"]
     assert took < 15, f"a scrape of a locked table took {took:.1f}s"
     assert scrape.get("/metrics").status_code == 200  # lock gone: answers again
+
+
+def test_queue_depth_from_rabbitmq_by_passive_declare() -> None:
+    """AMQP brokers are read by a passive `queue_declare` (a queue of our own: the shared
+    RabbitMQ's engine queues belong to whoever runs the suite on it)."""
+    import kombu
+
+    from proj.admin.metrics import amqp_depths
+
+    url = "amqp://guest:guest@127.0.0.1:5672//"
+    name, missing = f"metrics-test-{new_key()[:12]}", f"metrics-none-{new_key()[:12]}"
+    with kombu.Connection(url, connect_timeout=5) as conn:
+        queue = kombu.Queue(name, exchange=kombu.Exchange(name, type="direct"), routing_key=name)
+        producer = conn.Producer()
+        for i in range(2):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key=name, declare=[queue])
+        try:
+            assert amqp_depths(url, [name, missing], 2.0) == {name: 2, missing: 0}
+        finally:
+            queue(conn.channel()).delete()
+            queue.exchange(conn.channel()).delete()

@@ -1,4 +1,5 @@
-"""Read-only statistics over `engine.*`: what `/metrics` and `/admin/overview` show.
+"""Statistics over `engine.*`: what `/metrics` and `/admin/overview` show, and the one counter
+the sweeper bumps (`COUNT_LEASE_RECOVERIES`, the only write here).
 
 Why here: `proj/engine/store/` is the one owner of engine statements (DESIGN §7), so the
 collector (`proj.admin.metrics`) and the overview page never write engine SQL of their own.
