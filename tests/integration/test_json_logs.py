@@ -4,11 +4,9 @@ inside a step names its run, kind, step, attempt and worker."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 import socket
 
-from proj import logs
 from proj.engine import runs
 from tests.conftest import new_key
 from tests.support.services import scalar, wait_for
@@ -50,24 +48,3 @@ def test_worker_logs_are_json_with_the_step_fields(procs) -> None:
     assert [line["attempt"] for line in retries] == sorted(line["attempt"] for line in retries)
     outside = [line for line in lines if line["message"].endswith(" ready.")][0]
     assert outside["run_id"] is None and outside["step"] is None  # not in a step
-
-
-def test_the_formatter_fills_step_fields_only_inside_a_step() -> None:
-    record = logging.LogRecord("proj.x", logging.WARNING, __file__, 1, "hello %s", ("there",), None)
-    fmt = logs.JsonFormatter()
-    assert json.loads(fmt.format(record))["run_id"] is None
-    with logs.step_fields(logs.StepFields("r-1", "probe", "s1", 3, "host:1")):
-        inside = json.loads(fmt.format(record))
-    assert inside | {"ts": None} == {
-        "ts": None,
-        "level": "WARNING",
-        "logger": "proj.x",
-        "message": "hello there",
-        "run_id": "r-1",
-        "kind": "probe",
-        "step": "s1",
-        "attempt": 3,
-        "worker": "host:1",
-        "trace_id": None,
-    }
-    assert json.loads(fmt.format(record))["kind"] is None  # reset on leaving the step
