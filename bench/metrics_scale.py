@@ -157,7 +157,8 @@ def vacuum_until_visible(conn: Any, tries: int = 10) -> None:
 
 
 def statements() -> dict[str, tuple[Any, dict[str, Any], bool]]:
-    """What a scrape runs (and the overview's minute chart): name → (statement, params, gauge)."""
+    """What a scrape runs (and the overview's minute chart): name → (statement, params, read at
+    every scrape: True, or in the background history: False)."""
     from proj.admin import metrics
     from proj.engine.store import stats
 

@@ -295,7 +295,9 @@ def test_queue_depth_from_rabbitmq_by_passive_declare() -> None:
         for i in range(2):
             producer.publish({"i": i}, exchange=queue.exchange, routing_key=name, declare=[queue])
         try:
-            assert amqp_depths(url, [name, missing], 2.0) == {name: 2, missing: 0}
+            # Publishes are not confirmed: the broker may count them a moment later.
+            expected = {name: 2, missing: 0}
+            wait_for(lambda: amqp_depths(url, [name, missing], 2.0) == expected, 10, what="2 messages")
         finally:
             queue(conn.channel()).delete()
             queue.exchange(conn.channel()).delete()
