@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import celery as outbox_celery
-from proj import db
+from proj import db, logs
 from proj.engine import broker
 from proj.engine.errors import IdempotencyConflict
 from proj.engine.kind import on_register
@@ -160,6 +160,14 @@ def periodic_task(kind: str, every_s: float) -> str:
     bucket = int(time.time() // every_s)
     ref = runs.enqueue(kind, {"bucket": bucket}, idempotency_key=f"{kind}:{bucket}")
     return str(ref.task_run_id)
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _log_format(logger: logging.Logger, **_: object) -> None:
+    """`LOG_FORMAT=json`: the loggers Celery just set up (root, task) write JSON (`proj.logs`)."""
+    if get_settings().log_format == "json":
+        logs.use_json(logger)
 
 
 @signals.worker_process_init.connect

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from proj import logs
 
 cli = typer.Typer(help="Durable Celery steps with ledger discipline.", no_args_is_help=True)
 console = Console(emoji=False, highlight=False)
@@ -405,7 +408,11 @@ def admin(
         else f"user {app.state.auth.username}"
     )
     console.print(f"admin on http://{host}:{port}/admin ({who})")
-    uvicorn.run(app, host=host, port=port, log_level="info", proxy_headers=False, server_header=False)
+    log_config = logs.uvicorn_log_config()  # LOG_FORMAT=json; None keeps uvicorn's own format
+    extra: dict[str, Any] = {} if log_config is None else {"log_config": log_config}
+    uvicorn.run(
+        app, host=host, port=port, log_level="info", proxy_headers=False, server_header=False, **extra
+    )
 
 
 @cli.command()
@@ -489,6 +496,7 @@ def demo(
 
 
 def main() -> None:
+    logs.configure()  # LOG_FORMAT=json: engine lines of CLI commands as JSON on stderr
     cli()
 
 

@@ -109,6 +109,26 @@ class Settings(BaseSettings):
     max_torrent_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="largest .torrent accepted"
     )
+    metrics_token: SecretStr | None = Field(
+        default=None, description="bearer token of /metrics (open, like Flower's, when unset)"
+    )
+    metrics_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=30,
+        description="a scrape's bound: Postgres connect and statement timeout, broker timeouts",
+    )
+    metrics_slow_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="re-read the history (finished counts, histograms) at most this often",
+    )
+    metrics_slow_timeout_s: float = Field(
+        default=60.0, gt=0, description="statement timeout of that background history read"
+    )
+    log_format: str = Field(
+        default="text", pattern="^(text|json)$", description="'json': one JSON object per log line"
+    )
     admin_secret: SecretStr | None = Field(
         default=None, description="signs the admin session cookie (CSRF); random per start if unset"
     )

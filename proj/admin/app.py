@@ -36,8 +36,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proj import db
 from proj.acquisition import service
-from proj.admin import queries
+from proj.admin import overview, queries
 from proj.admin.api import api_router, too_large
+from proj.admin.metrics import MetricsUnavailable, Source, metrics_router
 from proj.admin.timeline import short_json
 from proj.engine.errors import BadInput
 from proj.settings import Settings, get_settings
@@ -211,6 +212,8 @@ def create_app(
     app.add_middleware(SecurityHeaders, max_upload=settings.max_torrent_bytes)
     app.state.auth = auth
     app.include_router(api_router(settings, engine))
+    source = Source(settings)
+    app.include_router(metrics_router(settings, source))
 
     def require_auth(request: Request) -> None:
         if not auth.check(request.headers.get("authorization")):
@@ -379,6 +382,15 @@ def create_app(
         why = reason.strip() or "canceled by an operator"
         act = lambda: service.cancel_download(engine, db.sessions(), tid, why, by=by)  # noqa: E731
         return decided(request, tid, act, f"cancel requested by {by}: compensation follows")
+
+    @r.get("/overview", response_class=HTMLResponse)
+    def overview_page(request: Request) -> Response:
+        """Charts of the numbers `/metrics` serves (`tests/integration/test_overview_browser.py`)."""
+        try:
+            snap = source.snapshot(overview=True)
+        except MetricsUnavailable as exc:
+            return render(request, "unavailable.html", status_code=503, reason=str(exc))
+        return render(request, "overview.html", o=overview.build(snap))
 
     @r.get("/runs", response_class=HTMLResponse)
     def runs_page(

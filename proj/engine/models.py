@@ -72,6 +72,19 @@ class TaskRun(Base):
                 "concurrency_key IS NOT NULL AND status IN ('pending','running','waiting')"
             ),
         ),
+        Index(
+            "task_run_finished_idx",
+            "finished_at",
+            "status",
+            postgresql_where=text("finished_at IS NOT NULL"),
+        ),
+        Index(
+            "task_run_live_idx",
+            "kind",
+            "version",
+            "status",
+            postgresql_where=text("status IN ('pending', 'running', 'waiting', 'failed')"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
@@ -113,6 +126,7 @@ class Step(Base):
             postgresql_where=text("status = 'pending' AND blocked_at IS NOT NULL"),
         ),
         Index("step_running_run_idx", "run_id", postgresql_where=text("status = 'running'")),
+        Index("step_signalled_idx", "signalled_at", postgresql_where=text("signalled_at IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
@@ -135,6 +149,7 @@ class Step(Base):
     wait_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     wait_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     wakeups: Mapped[int] = mapped_column(Integer, server_default="0")
+    signalled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     result: Mapped[Any | None] = mapped_column(JSONB)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
@@ -174,3 +189,13 @@ class TaskSignal(Base):
     topic: Mapped[str] = mapped_column(Text)
     payload: Mapped[Any | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class Counter(Base):
+    """Monotonic engine counters (`lease_recoveries`, bumped by the sweeper): what `purge` must
+    not reset, unlike counts of rows (`proj_lease_recoveries_total`)."""
+
+    __tablename__ = "counter"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, server_default="0")

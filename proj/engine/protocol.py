@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from proj import db
+from proj import db, logs
 from proj.engine import dispatch, tracing
 from proj.engine.admission import admit, any_limits, deny, handoff, limit_gates, slot_of
 from proj.engine.attempts import Carry, Claim, worker_id
@@ -166,18 +166,25 @@ def _deliver(step_id: int, starts_run: bool) -> str:
 
 
 def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
-    """One attempt of a claimed step: span, body, fenced commit, hand-off, publish."""
+    """One attempt of a claimed step: span, body, fenced commit, hand-off, publish.
+
+    Lines logged during the attempt carry its run, kind, step, attempt and worker
+    (`proj.logs`, `LOG_FORMAT=json`; `tests/integration/test_json_logs.py`)."""
     kind = get_kind(c.kind, c.version)
     carry = budget.carry(c, kind)
-    with tracing.step_span(
-        c.trace,
-        kind=c.kind,
-        version=c.version,
-        run_id=c.run_id,
-        step=c.name,
-        attempt=c.attempt,
-        item_index=c.item_index if c.item is not None else None,
-    ) as span:
+    fields = logs.StepFields(str(c.run_id), c.kind, c.name, c.attempt, worker_id())
+    with (
+        logs.step_fields(fields),
+        tracing.step_span(
+            c.trace,
+            kind=c.kind,
+            version=c.version,
+            run_id=c.run_id,
+            step=c.name,
+            attempt=c.attempt,
+            item_index=c.item_index if c.item is not None else None,
+        ) as span,
+    ):
         outcome, to_publish, error = _attempt(c, kind, carry)
         tracing.set_outcome(span, outcome, error)
     if limit_gates(kind, c.concurrency_key):

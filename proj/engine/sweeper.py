@@ -31,7 +31,7 @@ from proj.engine.kind import get_kind
 from proj.engine.liveness import on_dead_owners
 from proj.engine.runs import woken_dispatches
 from proj.engine.store import recovery as sql
-from proj.engine.store import waits
+from proj.engine.store import stats, waits
 from proj.engine.store.recovery import SWEEP_LOCK
 from proj.settings import get_settings
 
@@ -68,6 +68,8 @@ def sweep(*, wait: bool = False) -> SweepReport:
             return report
         expired = s.execute(sql.EXPIRE_LEASES, {"n": BATCH}).all()
         report.expired = len(expired)
+        if expired:  # `proj_lease_recoveries_total`, counted where the lease is taken back
+            s.execute(stats.COUNT_LEASE_RECOVERIES, {"n": len(expired)})
         for row in expired:
             if row.status == "failed":
                 report.failed += 1

@@ -67,7 +67,8 @@ def test_refuses_to_start_without_password() -> None:
 
 
 def test_every_page_needs_credentials(client: TestClient) -> None:
-    for path in ("/admin", "/admin/runs", "/admin/dead", "/admin/versions", "/admin/outbox", "/admin/parked"):
+    pages = ("/admin", "/admin/runs", "/admin/dead", "/admin/versions", "/admin/outbox", "/admin/parked")
+    for path in (*pages, "/admin/overview"):
         r = client.get(path, auth=None)
         assert r.status_code == 401, path
         assert r.headers["www-authenticate"].startswith("Basic")

@@ -74,11 +74,14 @@ class Woken(NamedTuple):
     priority: int
 
 
+# A signal's wake records when it woke the step (`signalled_at`): the start of
+# `proj_signal_wake_seconds`, whose end is the step's next claim (`store.stats`).
 WAKE_TOPIC = text(
     """
     WITH woken AS (
         UPDATE engine.step s
-           SET status = 'pending', next_attempt_at = now(), published_at = now()
+           SET status = 'pending', next_attempt_at = now(), published_at = now(),
+               signalled_at = now()
           FROM engine.task_run r
          WHERE r.id = s.run_id AND s.status = 'waiting' AND s.wait_topic = :topic
      RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
