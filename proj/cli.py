@@ -11,21 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from proj import logs
+from proj.engine.preflight import migrate_to_head
 
 cli = typer.Typer(help="Durable Celery steps with ledger discipline.", no_args_is_help=True)
 console = Console(emoji=False, highlight=False)
 errors = Console(emoji=False, highlight=False, stderr=True, soft_wrap=True)
 
-
-def migrate_to_head() -> str:
-    """Upgrade the database to the newest migration; returns the head revision."""
-    from alembic import command
-
-    from proj.engine.preflight import alembic_config, head_revision
-    from proj.settings import get_settings
-
-    command.upgrade(alembic_config(get_settings().require_database_url()), "head")
-    return head_revision()
+__all__ = ["cli", "main", "migrate_to_head"]
 
 
 @cli.command()

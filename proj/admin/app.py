@@ -41,6 +41,7 @@ from proj.admin.api import api_router, too_large
 from proj.admin.metrics import MetricsUnavailable, Source, metrics_router
 from proj.admin.timeline import short_json
 from proj.engine.errors import BadInput
+from proj.engine.store import views
 from proj.settings import Settings, get_settings
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -256,11 +257,10 @@ def create_app(
 
     def existing_run_or_404(value: str) -> uuid.UUID:
         """For decisions: a well-formed id that names no run is a 404, not a silent no-op."""
-        from sqlalchemy import text
 
         rid = run_id_or_404(value)
         with db.transaction() as s:
-            if s.scalar(text("SELECT 1 FROM engine.task_run WHERE id = :id"), {"id": rid}) is None:
+            if s.scalar(views.RUN_EXISTS, {"id": rid}) is None:
                 raise HTTPException(404, f"no run {value}")
         return rid
 

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from proj.admin.timeline import RunInfo, TimelineEvent, build_timeline, has_hook
 from proj.engine.models import RUN_STATUSES
 from proj.engine.status import ACTIVE
+from proj.engine.store import views as sql
 
 PAGE = 50
 
@@ -48,48 +49,33 @@ class RunFilter:
 
 def list_runs(s: Session, f: RunFilter, limit: int = PAGE) -> tuple[list[Any], bool]:
     """Newest first; `q` matches a run id (or its prefix) or part of the idempotency key."""
-    where, params = ["true"], {"limit": limit + 1, "offset": max(0, f.page) * limit}
-    if f.kind:
-        where.append("kind = :kind")
-        params["kind"] = f.kind
-    if f.version.strip().isdigit():
-        where.append("version = :version")
-        params["version"] = int(f.version)
-    if f.status in RUN_STATUSES:
-        where.append("status = :status")
-        params["status"] = f.status
     q = f.q.strip()
-    if q:
-        exact = parse_uuid(q)
-        if exact is not None:
-            where.append("(id = :rid OR idempotency_key = :q)")
-            params["rid"] = exact
-            params["q"] = q
-        else:
-            like = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            where.append("(id::text LIKE :prefix OR idempotency_key ILIKE :pat)")
-            params["prefix"] = like.lower() + "%"
-            params["pat"] = "%" + like + "%"
-    rows = s.execute(
-        text(
-            "SELECT id, kind, version, status, current_step, idempotency_key, created_at, "
-            "updated_at, finished_at, cancel_requested_at, last_error FROM engine.task_run "
-            f"WHERE {' AND '.join(where)} ORDER BY created_at DESC, id LIMIT :limit OFFSET :offset"
-        ),
-        params,
-    ).all()
+    exact = parse_uuid(q) if q else None
+    like = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    params: dict[str, Any] = {
+        "limit": limit + 1,
+        "offset": max(0, f.page) * limit,
+        "kind": f.kind or None,
+        "version": int(f.version) if f.version.strip().isdigit() else None,
+        "status": f.status if f.status in RUN_STATUSES else None,
+        "rid": exact,
+        "q": q,
+        "prefix": like.lower() + "%",
+        "pat": "%" + like + "%" if q and exact is None else None,
+    }
+    rows = s.execute(sql.LIST_RUNS, params).all()
     return rows[:limit], len(rows) > limit
 
 
 def facets(s: Session) -> dict[str, list[Any]]:
     """Values present in the table, for the filter drop-downs."""
-    kinds = s.scalars(text("SELECT DISTINCT kind FROM engine.task_run ORDER BY kind")).all()
-    versions = s.scalars(text("SELECT DISTINCT version FROM engine.task_run ORDER BY version")).all()
+    kinds = s.scalars(sql.RUN_KINDS).all()
+    versions = s.scalars(sql.RUN_VERSIONS).all()
     return {"kinds": list(kinds), "versions": list(versions), "statuses": list(RUN_STATUSES)}
 
 
 def status_counts(s: Session) -> dict[str, int]:
-    rows = s.execute(text("SELECT status, count(*) FROM engine.task_run GROUP BY status")).all()
+    rows = s.execute(sql.STATUS_COUNTS).all()
     return {r[0]: int(r[1]) for r in rows}
 
 
@@ -109,14 +95,7 @@ class RunDetail:
 
 def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
     """Live progress of the run's running steps (`engine.step.progress`: done/total/message)."""
-    rows = s.execute(
-        text(
-            "SELECT name, item_index, status, progress FROM engine.step "
-            "WHERE run_id = :id AND progress IS NOT NULL AND status = 'running' "
-            "ORDER BY stage, item_index"
-        ),
-        {"id": run_id},
-    ).all()
+    rows = s.execute(sql.RUNNING_PROGRESS, {"id": run_id}).all()
     out = []
     for r in rows:
         p = r.progress or {}
@@ -139,14 +118,7 @@ def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
 
 def stages_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
     """Per stage: the step name and how many of its items are in each state (from `engine.step`)."""
-    rows = s.execute(
-        text(
-            "SELECT stage, name, status, count(*) AS n, max(attempts) AS attempts, "
-            "max(max_attempts) AS max_attempts FROM engine.step WHERE run_id = :id "
-            "GROUP BY stage, name, status ORDER BY stage, name"
-        ),
-        {"id": run_id},
-    ).all()
+    rows = s.execute(sql.STAGE_COUNTS, {"id": run_id}).all()
     stages: dict[tuple[int, str], dict[str, Any]] = {}
     for r in rows:
         st = stages.setdefault(
@@ -159,18 +131,12 @@ def stages_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
 
 
 def parked_step(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
-    row = s.execute(
-        text(
-            "SELECT name, wait_topic, wait_until, wait_since, wakeups FROM engine.step "
-            "WHERE run_id = :id AND status = 'waiting' ORDER BY stage LIMIT 1"
-        ),
-        {"id": run_id},
-    ).first()
+    row = s.execute(sql.PARKED_STEP, {"id": run_id}).first()
     return dict(row._mapping) if row else None
 
 
 def load_run(s: Session, run_id: uuid.UUID) -> Any:
-    return s.execute(text("SELECT * FROM engine.task_run WHERE id = :id"), {"id": run_id}).first()
+    return s.execute(sql.RUN, {"id": run_id}).first()
 
 
 def run_detail(s: Session, run_id: uuid.UUID) -> RunDetail | None:
@@ -204,10 +170,7 @@ def _pending_reason(run: Any) -> str | None:
 
 def progress_json(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
     """What the run page polls: status, current step and live progress."""
-    row = s.execute(
-        text("SELECT status, current_step, updated_at FROM engine.task_run WHERE id = :id"),
-        {"id": run_id},
-    ).first()
+    row = s.execute(sql.RUN_PROGRESS, {"id": run_id}).first()
     if row is None:
         return None
     return {
@@ -232,22 +195,10 @@ class DeadLetter:
 
 
 def dead_letters(s: Session, limit: int = PAGE) -> list[DeadLetter]:
-    runs = s.execute(
-        text(
-            "SELECT * FROM engine.task_run WHERE status = 'failed' "
-            "ORDER BY finished_at DESC NULLS LAST, created_at DESC LIMIT :limit"
-        ),
-        {"limit": limit},
-    ).all()
+    runs = s.execute(sql.DEAD_LETTERS, {"limit": limit}).all()
     out = []
     for run in runs:
-        failed = s.execute(
-            text(
-                "SELECT name, item_index, attempts, max_attempts, error, finished_at FROM engine.step "
-                "WHERE run_id = :id AND status = 'failed' ORDER BY stage, item_index"
-            ),
-            {"id": run.id},
-        ).all()
+        failed = s.execute(sql.FAILED_STEPS, {"id": run.id}).all()
         info = RunInfo.from_row(run)
         # Business context = the business part of the timeline (the hook's or the ledger's).
         events = [e for e in build_timeline(s, info) if e.source != "run"]
@@ -265,13 +216,7 @@ def version_matrix(s: Session) -> list[dict[str, Any]]:
     newest: dict[str, int] = {}
     for k in all_kinds():
         newest[k.name] = max(newest.get(k.name, 0), k.version)
-    rows = s.execute(
-        text(
-            "SELECT kind, version, status, count(*) AS n, min(created_at) FILTER "
-            "(WHERE status IN ('pending','running','waiting')) AS oldest_active "
-            "FROM engine.task_run GROUP BY kind, version, status ORDER BY kind, version"
-        )
-    ).all()
+    rows = s.execute(sql.VERSION_MATRIX).all()
     table: dict[tuple[str, int], dict[str, Any]] = {}
     for r in rows:
         e = table.setdefault(
@@ -300,22 +245,8 @@ def version_matrix(s: Session) -> list[dict[str, Any]]:
 
 def parked_runs(s: Session, limit: int = 200) -> tuple[list[Any], list[Any]]:
     """Waiting steps with their topic and timer, and per topic: how many wait, last signal."""
-    rows = s.execute(
-        text(
-            "SELECT r.id AS run_id, r.kind, r.version, r.idempotency_key, s.name, s.wait_topic, "
-            "s.wait_until, s.wait_since, s.wakeups FROM engine.step s JOIN engine.task_run r "
-            "ON r.id = s.run_id WHERE s.status = 'waiting' ORDER BY s.wait_until NULLS LAST LIMIT :limit"
-        ),
-        {"limit": limit},
-    ).all()
-    topics = s.execute(
-        text(
-            "SELECT s.wait_topic AS topic, count(*) AS n, min(s.wait_until) AS next_timer, "
-            "(SELECT max(created_at) FROM engine.task_signal g WHERE g.topic = s.wait_topic) "
-            "AS last_signal FROM engine.step s WHERE s.status = 'waiting' "
-            "GROUP BY s.wait_topic ORDER BY n DESC, topic"
-        )
-    ).all()
+    rows = s.execute(sql.PARKED_RUNS, {"limit": limit}).all()
+    topics = s.execute(sql.PARKED_TOPICS).all()
     return list(rows), list(topics)
 
 

@@ -109,3 +109,13 @@ def check_connection_budget(settings: Settings | None = None) -> Budget:
             f"{budget.max_connections}: lower the pools or concurrency, or raise max_connections"
         )
     return budget
+
+
+def migrate_to_head() -> str:
+    """Upgrade the database to the newest migration; returns the head revision (`proj migrate`).
+
+    Workers never migrate on start: they refuse a schema behind the code (`check_schema`)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(get_settings().require_database_url()), "head")
+    return head_revision()

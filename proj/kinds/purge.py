@@ -13,6 +13,7 @@ from sqlalchemy import text
 
 from proj.engine.context import StepContext
 from proj.engine.kind import Kind, RetryPolicy, register, step
+from proj.engine.store import retention
 from proj.kinds.reconcile_downloads import PeriodicInput
 from proj.settings import get_settings
 
@@ -22,18 +23,8 @@ def purge(ctx: StepContext) -> dict[str, Any]:
     secs = get_settings().retention_days * 86400.0
     out: dict[str, Any] = {}
     with ctx.fenced() as s:
-        out["steps"] = s.execute(
-            text(
-                "DELETE FROM engine.step WHERE run_id IN (SELECT id FROM engine.task_run "
-                "WHERE status IN ('succeeded', 'canceled') "
-                "AND finished_at < now() - make_interval(secs => :d))"
-            ),
-            {"d": secs},
-        ).rowcount
-        out["signals"] = s.execute(
-            text("DELETE FROM engine.task_signal WHERE created_at < now() - make_interval(secs => :d)"),
-            {"d": secs},
-        ).rowcount
+        out["steps"] = s.execute(retention.PURGE_FINISHED_STEPS, {"secs": secs}).rowcount
+        out["signals"] = s.execute(retention.PURGE_SIGNALS, {"secs": secs}).rowcount
         if s.scalar(text("SELECT to_regclass('outbox.outbox_event') IS NOT NULL")):
             out["outbox"] = s.execute(
                 text(
