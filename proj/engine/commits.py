@@ -19,6 +19,7 @@ from proj.engine.attempts import Carry, Claim, error_payload, to_json
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost, NonRetryable
 from proj.engine.kind import Kind, RetryPolicy
+from proj.engine.status import Outcome
 from proj.engine.store import commits as sql
 
 log = logging.getLogger(__name__)
@@ -64,16 +65,16 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[s
         ).first()
         if row is None:
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
-        close_attempt(s, c, "failed" if final else "retry", err)
+        close_attempt(s, c, Outcome.FAILED if final else Outcome.RETRY, err)
         if final:
             fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
-            return "failed", []
+            return Outcome.FAILED, []
         s.execute(
             sql.RECORD_RETRY_ERROR,
             {"err": json.dumps({**err, "step": c.name, "attempts": c.attempt}), "run": c.run_id},
         )
     log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
-    return "retry", []
+    return Outcome.RETRY, []
 
 
 def commit_canceled(c: Claim) -> tuple[str, list[Dispatch]]:
@@ -82,8 +83,8 @@ def commit_canceled(c: Claim) -> tuple[str, list[Dispatch]]:
         row = s.execute(sql.CANCEL_STEP, {"id": c.step_id, "tok": c.token}).first()
         if row is None:
             raise LeaseLost(f"step {c.step_id}: lease lost, cancel not recorded")
-        close_attempt(s, c, "canceled")
-        return "canceled", chain.finalize_cancel(s, c.run_id)
+        close_attempt(s, c, Outcome.CANCELED)
+        return Outcome.CANCELED, chain.finalize_cancel(s, c.run_id)
 
 
 def commit_or_refuse(fn: Commit, *args: Any) -> tuple[str, list[Dispatch]]:
@@ -92,10 +93,10 @@ def commit_or_refuse(fn: Commit, *args: Any) -> tuple[str, list[Dispatch]]:
         return fn(*args)
     except LeaseLost as exc:
         log.warning("commit refused: %s", exc)
-        return "lease_lost", []
+        return Outcome.LEASE_LOST, []
 
 
-def close_attempt(s: Session, c: Claim, outcome: str, err: dict[str, Any] | None = None) -> None:
+def close_attempt(s: Session, c: Claim, outcome: Outcome, err: dict[str, Any] | None = None) -> None:
     """The attempt record gets its outcome (`step_attempt` is an audit log, never a timeline)."""
     s.execute(
         sql.CLOSE_ATTEMPT,

@@ -42,6 +42,7 @@ from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, LeaseLost
 from proj.engine.heartbeat import HEARTBEAT
 from proj.engine.kind import Kind, get_kind
+from proj.engine.status import Outcome
 from proj.engine.store import claims as sql
 from proj.engine.sweeper import sweep as _sweep  # noqa: F401  registers the liveness reaper's recovery
 from proj.engine.waiting import run_wait
@@ -158,7 +159,7 @@ def _deliver(step_id: int, starts_run: bool) -> str:
     """One step message's worth of work: claim, run, and the inline chain after it."""
     c, kicks = _claim(step_id, starts_run)
     dispatch.publish_after_commit(kicks)
-    outcome = "noop"
+    outcome: str = Outcome.NOOP
     budget = InlineBudget()
     while c is not None:
         outcome, c = _run_claimed(c, budget)
@@ -196,7 +197,7 @@ def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
     dispatch.publish_after_commit(to_publish)
     # Only a committed success carries on; otherwise a claimed next step (if its transaction
     # committed at all) is left to its lease and the sweeper.
-    return outcome, carry.claim if carry is not None and outcome == "succeeded" else None
+    return outcome, carry.claim if carry is not None and outcome == Outcome.SUCCEEDED else None
 
 
 def _attempt(
@@ -215,7 +216,7 @@ def _attempt(
         item=c.item,
         item_index=c.item_index,
     )
-    outcome = "noop"
+    outcome: str = Outcome.NOOP
     to_publish: list[Dispatch] = []
     error: BaseException | None = None
     with HEARTBEAT.track(c.step_id, c.token) as lease:
@@ -231,10 +232,10 @@ def _attempt(
                     to_publish = ctx.finished
                 else:
                     to_publish = commit_success(c, kind, result, carry=carry)
-                outcome = "succeeded"
+                outcome = Outcome.SUCCEEDED
         except LeaseLost as exc:
             log.warning("step %s attempt %s: %s", c.step_id, c.attempt, exc)
-            outcome, error = "lease_lost", exc
+            outcome, error = Outcome.LEASE_LOST, exc
         except CancelRequested:
             outcome, to_publish = commit_or_refuse(commit_canceled, c)
         except Exception as exc:

@@ -31,12 +31,14 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from proj.engine.status import Outcome
+
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "proj.engine"
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 # Step outcomes that mean the attempt did not do its work.
-ERROR_OUTCOMES = frozenset({"failed", "retry", "lease_lost"})
+ERROR_OUTCOMES = frozenset({Outcome.FAILED, Outcome.RETRY, Outcome.LEASE_LOST})
 
 _lock = threading.Lock()
 _configured_pid: int | None = None

@@ -15,6 +15,7 @@ from proj.engine.context import StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost
 from proj.engine.kind import Kind, WaitSpec
+from proj.engine.status import Outcome
 from proj.engine.store import waits as sql
 
 
@@ -32,17 +33,17 @@ def run_wait(
         with db.transaction() as s:
             reached = bool(s.scalar(sql.REACHED, {"until": until}))
         if reached:
-            return "succeeded", commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
+            return Outcome.SUCCEEDED, commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
         return park(c, topic, until=until)
     if spec.check is not None:
         value = spec.check(ctx)
         if value:
-            return "succeeded", commit_success(c, kind, value, carry=carry)
+            return Outcome.SUCCEEDED, commit_success(c, kind, value, carry=carry)
     else:
         with db.transaction() as s:
             sig = s.execute(sql.LATEST_SIGNAL, {"topic": topic}).first()
         if sig is not None:
-            return "succeeded", commit_success(c, kind, {"signal": sig.payload}, carry=carry)
+            return Outcome.SUCCEEDED, commit_success(c, kind, {"signal": sig.payload}, carry=carry)
     timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
     return park(c, topic, timeout_s=timeout)
 
@@ -73,8 +74,8 @@ def park(
         ).first()
         if row is None:
             raise LeaseLost(f"step {c.step_id}: lease lost while parking")
-        close_attempt(s, c, "parked")
+        close_attempt(s, c, Outcome.PARKED)
         if raced:
-            return "rechecking", [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
+            return Outcome.RECHECKING, [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
         s.execute(sql.RUN_WAITING, {"run": c.run_id})
-    return "waiting", []
+    return Outcome.WAITING, []
