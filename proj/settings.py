@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     fault_kill_after_effect: str = Field(
         default="", description="fault injection: SIGKILL self after this effect kind's first attempt"
     )
+    fault_kill_scope: str = Field(
+        default="process",
+        pattern="^(process|group)$",
+        description="fault injection: SIGKILL only the process, or its whole process group (a worker)",
+    )
     fault_chunk_delay_s: float = Field(default=0.0, ge=0, description="fault injection: slow copies")
     fault_duplicate_publish: int = Field(
         default=1, ge=1, le=5, description="fault injection: send every step message N times"

@@ -81,6 +81,8 @@ def _with_fault(do: Callable[[Attempt], R], effect_kind: str) -> Callable[[Attem
             import os
             import signal
 
+            if get_settings().fault_kill_scope == "group":  # the whole worker, as a host loss would
+                os.killpg(os.getpgid(0), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
