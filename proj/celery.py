@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import celery as outbox_celery
 from proj import db
+from proj.broker import transport_for
 from proj.engine.errors import IdempotencyConflict
 from proj.settings import get_settings
 
@@ -27,6 +28,7 @@ settings = get_settings()
 app = Celery("proj")
 app.conf.update(
     broker_url=settings.broker_url,
+    broker_transport=transport_for(settings.broker_url, settings.broker_transport),
     broker_connection_retry_on_startup=True,
     broker_transport_options={"visibility_timeout": 3600},
     result_backend=None,

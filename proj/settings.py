@@ -19,6 +19,10 @@ class Settings(BaseSettings):
 
     database_url: str | None = Field(default=None, description="Postgres URL, shared by all")
     broker_url: str | None = Field(default=None, description="Celery broker (redis:// or amqp://)")
+    broker_transport: str | None = Field(
+        default=None,
+        description="kombu transport; default: ours guarded against restarts for redis:// (proj.broker)",
+    )
 
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="step lease length")
     sweep_interval_s: float = Field(default=1.0, gt=0, description="beat period of the sweeper")
