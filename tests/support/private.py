@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -83,9 +84,9 @@ class PrivateRedis:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        wait_for(self._answers, 30, what=f"private redis on {self.port}")
+        wait_for(self.answers, 30, what=f"private redis on {self.port}")
 
-    def _answers(self) -> bool:
+    def answers(self) -> bool:
         try:
             return bool(redis.Redis(port=self.port, socket_timeout=1).ping())
         except redis.exceptions.RedisError:
@@ -116,23 +117,40 @@ def private_redis(base: Path) -> Iterator[PrivateRedis]:
 
 @contextlib.contextmanager
 def use_broker(url: str) -> Iterator[None]:
-    """Point this process' Celery app (the test's own `enqueue`, `signal`) at another broker."""
+    """Point this process' Celery app (the test's own `enqueue`, `signal`) at another broker.
+
+    kombu keeps connection and producer pools in a process-wide registry keyed by URL: the
+    private broker's pools are closed and dropped from it at the end, the original ones are
+    left as they were (closing them would leave a closed pool registered under their URL).
+    """
     from proj.celery import app
 
     before = app.conf.broker_url
-
-    def swap(to: str) -> None:
-        with contextlib.suppress(Exception):
-            app.pool.force_close_all()
-        app.conf.broker_url = to
-        app._pool = None
-        app.amqp._producer_pool = None
-
-    swap(url)
+    _point_app_at(app, url)
     try:
         yield
     finally:
-        swap(before)
+        _drop_current_pools(app)
+        _point_app_at(app, before)
+
+
+def _point_app_at(app: Any, url: str) -> None:
+    app.conf.broker_url = url
+    app._pool = None
+    app.amqp._producer_pool = None
+
+
+def _drop_current_pools(app: Any) -> None:
+    from kombu import pools
+
+    mine = [p for p in (app.amqp._producer_pool, app._pool) if p is not None]
+    for pool in mine:
+        with contextlib.suppress(Exception):
+            pool.force_close_all()
+    for group in (pools.producers, pools.connections):
+        for key, pool in list(dict.items(group)):
+            if any(pool is m for m in mine):
+                dict.__delitem__(group, key)
 
 
 def os_user(name: str) -> pwd.struct_passwd:

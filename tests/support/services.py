@@ -80,15 +80,6 @@ def start_redis() -> None:
     wait_for(lambda: _port_open(6379), 30, what="redis on 6379")
 
 
-def restart_redis(down_s: float = 1.0) -> None:
-    """Stop Redis (losing every queued message: it keeps nothing on disk) and start it again."""
-    with contextlib.suppress(redis.exceptions.ConnectionError):
-        redis.Redis(host="127.0.0.1", port=6379).shutdown(nosave=True)
-    wait_for(lambda: not _port_open(6379), 10, what="redis to stop")
-    time.sleep(down_s)
-    start_redis()
-
-
 def recreate_database(admin_url: str, name: str) -> None:
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(
