@@ -8,7 +8,9 @@ Configured by the environment (all optional):
   at its end (or earlier, once every pipeline is done);
 - `SOAK_SETTLE_S` (240): after the window, how long the pipelines may take to finish;
 - `SOAK_SEED` (20240611): the seed of every random choice (payloads, fault order and timing);
-- `SOAK_MAX_FAULTS` (80): a bound on injected faults.
+- `SOAK_MAX_FAULTS` (80): a bound on injected faults;
+- `SOAK_MIN_REDIS_RESTARTS` (20): faults go on after the last pipeline finished until Redis was
+  restarted this often (within the window and `SOAK_MAX_FAULTS`).
 
 Short form (about 2 minutes here): `SOAK_PIPELINES=80 SOAK_SECONDS=240 pytest -m soak tests/soak -q`
 (requests are spread over 40 % of the window, so faults keep coming until the last pipeline).
@@ -62,6 +64,7 @@ SECONDS = float(os.environ.get("SOAK_SECONDS", "150"))
 SETTLE_S = float(os.environ.get("SOAK_SETTLE_S", "240"))
 SEED = int(os.environ.get("SOAK_SEED", "20240611"))
 MAX_FAULTS = int(os.environ.get("SOAK_MAX_FAULTS", "80"))
+MIN_REDIS_RESTARTS = int(os.environ.get("SOAK_MIN_REDIS_RESTARTS", "20"))
 WORKERS = 3
 LEASE_TTL_S = float(os.environ.get("LEASE_TTL_S", "3"))
 
@@ -267,11 +270,15 @@ class Chaos:
         n = services.terminate_app_connections()
         self.note(f"pg_terminate_backend x{n}")
 
+    def enough_redis_restarts(self) -> bool:
+        return self.broker.restarts >= MIN_REDIS_RESTARTS
+
     def run(self, until: float, done: Callable[[], bool]) -> None:
-        # Redis restarts weigh double: the short form still meets 20 or more of them.
+        # Redis restarts weigh double, and go on past the last pipeline up to MIN_REDIS_RESTARTS.
         kinds = ["kill_worker", "stop_worker", "restart_redis", "restart_redis", "kill_pg"]
         while not self.stop.is_set() and sum(self.counts.values()) < MAX_FAULTS:
-            if self.stop.wait(self.rng.uniform(2.0, 4.0)) or time.monotonic() > until or done():
+            over = time.monotonic() > until or (done() and self.enough_redis_restarts())
+            if self.stop.wait(self.rng.uniform(2.0, 4.0)) or over:
                 break
             self.supervise()
             kind = self.rng.choice(kinds)
@@ -443,12 +450,15 @@ def test_chaos_soak(
     deadline = start + SECONDS + SETTLE_S
     next_print = start
     chaos_end: float | None = None
+    first_all_done: float | None = None
     try:
         while True:
             n = safe(done_count, 0)
             now = time.monotonic()
             if chaos_end is None and not driver.is_alive():
                 chaos_end = now
+            if first_all_done is None and n >= len(items) and feed_done.is_set():
+                first_all_done = now
             if now >= next_print:
                 with capsys.disabled():
                     print(
@@ -457,13 +467,13 @@ def test_chaos_soak(
                         flush=True,
                     )
                 next_print = now + 15
-            if n >= len(items) and feed_done.is_set():
+            if n >= len(items) and feed_done.is_set() and not driver.is_alive():
                 break
             bad = [r for r in safe(failed_runs, []) if r[0] in ("acquire", "import", "notify")]
             if bad or now > deadline:
                 break
             time.sleep(1.0)
-        all_done_at = time.monotonic()
+        all_done_at = first_all_done or time.monotonic()
         chaos.stop.set()
         driver.join(60)
         chaos_end = chaos_end or time.monotonic()

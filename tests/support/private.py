@@ -164,3 +164,134 @@ def chown_tree(path: Path, user: str) -> None:
     ent = os_user(user)
     for p in [path, *path.rglob("*")]:
         os.chown(p, ent.pw_uid, ent.pw_gid)
+
+
+# ------------------------------------------------------------------------------ Postgres
+
+
+@dataclass
+class PrivatePostgres:
+    """A throw-away Postgres 15 cluster (initdb, trust auth, loopback only) on its own port.
+
+    It runs as the `postgres` OS user (initdb refuses root), in a directory under /tmp that user
+    owns; `restart` is a real `pg_ctl restart` (fast mode by default): every session ends, the
+    postmaster and its start time change.
+    """
+
+    root: Path
+    port: int = field(default_factory=free_port)
+    user: str = "postgres"
+    database: str = "proj"
+    extra: tuple[str, ...] = ()
+    restarts: int = 0
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    def admin_url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _as_owner(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        need_binary(PG_BIN / cmd[0])
+        argv = [str(PG_BIN / cmd[0]), *cmd[1:]]
+        if os.geteuid() == 0:
+            argv = [need_binary("runuser"), "-u", self.user, "--", *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            log = self.root / "postgres.log"
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            raise AssertionError(f"{' '.join(cmd)} failed: {done.stdout}{done.stderr}\n{tail}")
+        return done
+
+    def _options(self) -> str:
+        opts = [
+            f"-p {self.port}",
+            f"-k {self.root}",
+            "-c listen_addresses=127.0.0.1",
+            "-c fsync=off",
+            "-c max_connections=100",
+            *self.extra,
+        ]
+        return " ".join(opts)
+
+    def init(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            chown_tree(self.root, self.user)
+        self._as_owner("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+
+    def start(self) -> None:
+        self._as_owner(
+            "pg_ctl", "-D", str(self.data), "-o", self._options(), "-l", str(self.root / "postgres.log"),
+            "-w", "-t", "60", "start",
+        )  # fmt: skip
+
+    def restart(self, mode: str = "fast") -> None:
+        """`pg_ctl restart -m <mode>`: every connection of every worker is cut."""
+        self._as_owner(
+            "pg_ctl", "-D", str(self.data), "-o", self._options(), "-l", str(self.root / "postgres.log"),
+            "-m", mode, "-w", "-t", "60", "restart",
+        )  # fmt: skip
+        self.restarts += 1
+
+    def stop(self, mode: str = "immediate") -> None:
+        if (self.data / "postmaster.pid").exists():
+            self._as_owner("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
+
+    def create_database(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.admin_url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{self.database}"')
+
+
+def new_pg_root() -> Path:
+    """A directory the `postgres` user can reach (pytest's tmp_path is root-only)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="proj-pg-", dir="/tmp"))
+
+
+@contextlib.contextmanager
+def use_database(url: str) -> Iterator[None]:
+    """Point this process (settings, the engine's pool, `services.sql`) at another database."""
+    from proj import db
+    from proj.settings import get_settings
+
+    before = os.environ["DATABASE_URL"]
+
+    def point(to: str) -> None:
+        os.environ["DATABASE_URL"] = to
+        get_settings.cache_clear()
+        db.dispose()
+
+    point(url)
+    try:
+        yield
+    finally:
+        point(before)
+
+
+@contextlib.contextmanager
+def private_postgres(**kwargs: Any) -> Iterator[PrivatePostgres]:
+    """A migrated private cluster (schema at head, the test kinds' tables), this process on it."""
+    from proj.cli import migrate_to_head
+    from tests.support.services import create_testkit
+
+    server = PrivatePostgres(new_pg_root(), **kwargs)
+    server.init()
+    server.start()
+    try:
+        server.create_database()
+        with use_database(server.url):
+            migrate_to_head()
+            create_testkit()
+            yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.root, ignore_errors=True)
