@@ -168,12 +168,13 @@ def _child_exit(**_: object) -> None:
 
 @signals.worker_init.connect
 def _preflight(**_: object) -> None:
-    """Refuse to start on a stale schema or an impossible connection budget."""
-    from proj.engine.preflight import check_connection_budget, check_schema
+    """Refuse to start on a stale schema, an impossible connection budget or an unsafe pooler."""
+    from proj.engine.preflight import check_connection_budget, check_pooling, check_schema
 
     try:
         check_schema()
         check_connection_budget()
+        check_pooling()
     except Exception as exc:
         log.critical("worker refuses to start: %s", exc)
         raise SystemExit(f"worker refuses to start: {exc}") from exc

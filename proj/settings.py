@@ -7,6 +7,7 @@ admin and the CLI all read one configuration. Secrets are `SecretStr` so they ne
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +20,14 @@ class Settings(BaseSettings):
 
     database_url: str | None = Field(default=None, description="Postgres URL, shared by all")
     broker_url: str | None = Field(default=None, description="Celery broker (redis:// or amqp://)")
+    db_pooler: Literal["none", "session", "transaction"] = Field(
+        default="none",
+        description="what DATABASE_URL reaches: Postgres itself, or a pooler (PgBouncer) in this mode",
+    )
+    liveness_database_url: str | None = Field(
+        default=None,
+        description="direct Postgres URL for the liveness sessions (required with DB_POOLER=transaction)",
+    )
     broker_transport: str | None = Field(
         default=None,
         description="kombu transport; default: ours guarded against restarts for redis:// (proj.broker)",

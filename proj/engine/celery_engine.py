@@ -59,10 +59,11 @@ class CeleryTaskEngine:
         does. Off by default: tests drive `outbox.dispatch` themselves and count its calls.
         """
         from proj.celery import app
-        from proj.engine.preflight import check_connection_budget, check_schema
+        from proj.engine.preflight import check_connection_budget, check_pooling, check_schema
 
         check_schema()
         check_connection_budget()
+        check_pooling()
         self._stopping.clear()
         if "worker" in roles:
             from proj.engine.liveness import LIVENESS

@@ -62,3 +62,7 @@ class SchemaBehind(EngineError):
 
 class ConnectionBudgetExceeded(EngineError):
     """The configured pools could exhaust Postgres' `max_connections`."""
+
+
+class PoolerUnsafe(EngineError):
+    """DATABASE_URL goes through a connection pooler in a mode the configuration does not allow for."""

@@ -71,8 +71,15 @@ _END_LEASES_OF_DEAD_OWNERS = """
 
 
 def _conninfo() -> str:
-    """The libpq form of DATABASE_URL (SQLAlchemy's `+psycopg` marker removed)."""
-    url = get_settings().require_database_url()
+    """The libpq form of the liveness URL: `LIVENESS_DATABASE_URL`, else DATABASE_URL.
+
+    A session advisory lock needs a real session: behind a transaction pooler the lock would
+    stay on whichever server connection ran the statement (held after this process died, or
+    dropped while it lives), so `DB_POOLER=transaction` needs a direct URL here
+    (`proj.engine.preflight.check_pooling`, `tests/test_pgbouncer.py`).
+    """
+    s = get_settings()
+    url = s.liveness_database_url or s.require_database_url()
     return sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
 
 

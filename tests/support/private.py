@@ -258,23 +258,28 @@ def new_pg_root() -> Path:
 
 
 @contextlib.contextmanager
-def use_database(url: str) -> Iterator[None]:
-    """Point this process (settings, the engine's pool, `services.sql`) at another database."""
+def use_database(url: str, **env: str) -> Iterator[None]:
+    """Point this process (settings, the engine's pool, `services.sql`) at another database,
+    with `env` (e.g. `DB_POOLER="transaction"`) set meanwhile."""
     from proj import db
     from proj.settings import get_settings
 
-    before = os.environ["DATABASE_URL"]
+    saved = {k: os.environ.get(k) for k in ("DATABASE_URL", *env)}
 
-    def point(to: str) -> None:
-        os.environ["DATABASE_URL"] = to
+    def apply(values: dict[str, str | None]) -> None:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         get_settings.cache_clear()
         db.dispose()
 
-    point(url)
+    apply({"DATABASE_URL": url, **env})
     try:
         yield
     finally:
-        point(before)
+        apply(saved)
 
 
 @contextlib.contextmanager
@@ -295,3 +300,73 @@ def private_postgres(**kwargs: Any) -> Iterator[PrivatePostgres]:
     finally:
         server.stop()
         shutil.rmtree(server.root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ PgBouncer
+
+
+@dataclass
+class PrivatePgBouncer:
+    """Debian's `pgbouncer` on its own port, in front of one database, in one pool mode.
+
+    Trust auth on loopback, run as the `postgres` OS user (it refuses root), its config, log and
+    socket in a directory that user owns. Stopped by its own pid file, never by name.
+    """
+
+    upstream_port: int
+    database: str
+    mode: str = "transaction"
+    pool_size: int = 40
+    root: Path = field(default_factory=new_pg_root)
+    port: int = field(default_factory=free_port)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    def _config(self) -> str:
+        return "\n".join(
+            [
+                "[databases]",
+                f"{self.database} = host=127.0.0.1 port={self.upstream_port} dbname={self.database}",
+                "[pgbouncer]",
+                "listen_addr = 127.0.0.1",
+                f"listen_port = {self.port}",
+                f"unix_socket_dir = {self.root}",
+                "auth_type = trust",
+                f"auth_file = {self.root / 'userlist.txt'}",
+                f"pool_mode = {self.mode}",
+                f"default_pool_size = {self.pool_size}",
+                "max_client_conn = 1000",
+                "ignore_startup_parameters = extra_float_digits",
+                f"logfile = {self.root / 'pgbouncer.log'}",
+                f"pidfile = {self.root / 'pgbouncer.pid'}",
+                "",
+            ]
+        )
+
+    def start(self) -> None:
+        binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+        need_binary(binary)
+        (self.root / "pgbouncer.ini").write_text(self._config())
+        (self.root / "userlist.txt").write_text('"postgres" ""\n')
+        argv = [binary, "-d", str(self.root / "pgbouncer.ini")]
+        if os.geteuid() == 0:
+            chown_tree(self.root, "postgres")
+            argv = [need_binary("runuser"), "-u", "postgres", "--", *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            pytest.fail(f"pgbouncer did not start: {done.stdout}{done.stderr}")
+        wait_for(lambda: _port_open(self.port), 30, what=f"pgbouncer on {self.port}")
+
+    def stop(self) -> None:
+        pidfile = self.root / "pgbouncer.pid"
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pidfile.read_text().strip()), 15)
+            wait_for(lambda: not _port_open(self.port), 15, what="pgbouncer to stop")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def log(self) -> str:
+        p = self.root / "pgbouncer.log"
+        return p.read_text(errors="replace") if p.exists() else ""
