@@ -16,12 +16,13 @@ Short form (about 2 minutes here): `SOAK_PIPELINES=80 SOAK_SECONDS=240 pytest -m
 (requests are spread over 40 % of the window, so faults keep coming until the last pipeline).
 
 Faults, every 2-4 s: SIGKILL a worker (and start a replacement), SIGSTOP a worker for longer than
-the lease then SIGCONT it, restart Redis (every queued message lost; twice as often as the others,
-and the soak's own private Redis, never the shared one), `pg_terminate_backend` every
-application connection. Workers that exit by themselves are restarted and counted; the report
-prints worker exits and Redis restarts, and the test fails unless no worker exited. At the end
-the outside world is checked, not the engine's word: the library on disk, `acq.library_item`,
-the ledger, qBittorrent's torrent list, every run, the outbox and the webhook receiver.
+the lease then SIGCONT it, restart Redis (every queued message lost; twice as often as the
+others), `pg_terminate_backend` every application connection, `pg_ctl restart` (fast or
+immediate) of Postgres. Redis and Postgres are the soak's own private instances, never the
+shared ones. Workers that exit by themselves are restarted and counted; the report prints
+worker exits and Redis restarts, and the test fails unless no worker exited. At the end the
+outside world is checked, not the engine's word: the library on disk, `acq.library_item`, the
+ledger, qBittorrent's torrent list, every run, the outbox and the webhook receiver.
 
 qBittorrent's on-finish hook appends `%I` to a file and a relay thread here calls the engine's
 `signal` for each line (the production hook is `proj signal download:%I`, covered by
@@ -56,7 +57,7 @@ from tests.acq_fixtures import *  # noqa: F403
 from tests.acq_fixtures import Receiver
 from tests.qbt_fixtures import *  # noqa: F403
 from tests.support import services
-from tests.support.private import PrivateRedis, private_redis, use_broker
+from tests.support.private import PrivatePostgres, PrivateRedis, private_postgres, private_redis, use_broker
 from tests.support.services import ProcessGroup, scalar, sql, wait_for
 
 PIPELINES = int(os.environ.get("SOAK_PIPELINES", "200"))
@@ -186,6 +187,7 @@ class Chaos:
     env: dict[str, str]
     rng: random.Random
     broker: PrivateRedis
+    database: PrivatePostgres
     stop: threading.Event = field(default_factory=threading.Event)
     counts: Counter[str] = field(default_factory=Counter)
     log: list[str] = field(default_factory=list)
@@ -266,6 +268,11 @@ class Chaos:
         self.broker.restart(down_s=down)
         self.note(f"Redis restarted ({down:.1f}s down)")
 
+    def restart_pg(self) -> None:
+        mode = self.rng.choice(["fast", "immediate"])
+        self.database.restart(mode=mode)
+        self.note(f"pg_ctl restart -m {mode}")
+
     def kill_pg(self) -> None:
         n = services.terminate_app_connections()
         self.note(f"pg_terminate_backend x{n}")
@@ -274,14 +281,17 @@ class Chaos:
         return self.broker.restarts >= MIN_REDIS_RESTARTS
 
     def run(self, until: float, done: Callable[[], bool]) -> None:
-        # Redis restarts weigh double, and go on past the last pipeline up to MIN_REDIS_RESTARTS.
-        kinds = ["kill_worker", "stop_worker", "restart_redis", "restart_redis", "kill_pg"]
+        # Redis restarts weigh double; once every pipeline finished, only Redis restarts go on,
+        # a little faster, until MIN_REDIS_RESTARTS (the workers must survive each one).
+        kinds = ["kill_worker", "stop_worker", "restart_redis", "restart_redis", "kill_pg", "restart_pg"]
         while not self.stop.is_set() and sum(self.counts.values()) < MAX_FAULTS:
-            over = time.monotonic() > until or (done() and self.enough_redis_restarts())
-            if self.stop.wait(self.rng.uniform(2.0, 4.0)) or over:
+            finished = done()
+            if time.monotonic() > until or (finished and self.enough_redis_restarts()):
+                break
+            if self.stop.wait(self.rng.uniform(2.0, 3.0) if finished else self.rng.uniform(2.0, 4.0)):
                 break
             self.supervise()
-            kind = self.rng.choice(kinds)
+            kind = "restart_redis" if finished else self.rng.choice(kinds)
             try:
                 if kind == "kill_worker":
                     self.kill_worker()
@@ -291,6 +301,8 @@ class Chaos:
                         self.kill_pg()
                 elif kind == "restart_redis":
                     self.restart_redis()
+                elif kind == "restart_pg":
+                    self.restart_pg()
                 else:
                     self.kill_pg()
                 self.counts[kind] += 1
@@ -395,8 +407,20 @@ def soak_broker(tmp_path: Path) -> Iterator[PrivateRedis]:
         yield server
 
 
+@pytest.fixture
+def soak_database() -> Iterator[PrivatePostgres]:
+    """The soak's own Postgres cluster (it restarts it), migrated; this process uses it too."""
+    with private_postgres() as server:
+        yield server
+
+
 def test_chaos_soak(
-    soak_swarm: SoakSwarm, soak_procs: ProcessGroup, soak_broker: PrivateRedis, webhook: Receiver, capsys
+    soak_swarm: SoakSwarm,
+    soak_broker: PrivateRedis,
+    soak_database: PrivatePostgres,
+    soak_procs: ProcessGroup,
+    webhook: Receiver,
+    capsys,
 ) -> None:
     t0 = time.monotonic()
     swarm = soak_swarm
@@ -404,8 +428,8 @@ def test_chaos_soak(
     client_errors: list[str] = []
     report: list[str] = []
 
-    env = {**swarm.worker_env(), "BROKER_URL": soak_broker.url}
-    chaos = Chaos(soak_procs, env, random.Random(SEED ^ 0x5EED), soak_broker)
+    env = {**swarm.worker_env(), "BROKER_URL": soak_broker.url, "DATABASE_URL": soak_database.url}
+    chaos = Chaos(soak_procs, env, random.Random(SEED ^ 0x5EED), soak_broker, soak_database)
     for _ in range(WORKERS):
         chaos.start_worker()
     soak_procs.beat(env=env)
