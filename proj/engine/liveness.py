@@ -39,7 +39,7 @@ import time
 import psycopg
 
 from proj import db
-from proj.settings import get_settings, sqlalchemy_url
+from proj.settings import get_settings, libpq_url
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ def _conninfo() -> str:
     (`proj.engine.preflight.check_pooling`, `tests/test_pgbouncer.py`).
     """
     s = get_settings()
-    url = s.liveness_database_url or s.require_database_url()
-    return sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+    s.require_database_url()
+    return libpq_url(s.liveness_database_url or s.database_url or "")
 
 
 class Liveness:

@@ -17,7 +17,7 @@ from sqlalchemy import text
 
 from proj import db
 from proj.engine.errors import ConnectionBudgetExceeded, PoolerUnsafe, SchemaBehind
-from proj.settings import Settings, get_settings
+from proj.settings import Settings, get_settings, libpq_url
 
 
 def _migrations_dir() -> Path:
@@ -112,10 +112,6 @@ def check_connection_budget(settings: Settings | None = None) -> Budget:
     return budget
 
 
-def _libpq(url: str) -> str:
-    return url.replace("postgresql+psycopg://", "postgresql://", 1)
-
-
 def transaction_pooled(url: str) -> bool:
     """Whether `url` reaches Postgres through a transaction (or statement) pooler.
 
@@ -125,7 +121,7 @@ def transaction_pooled(url: str) -> bool:
     used one first), so B's backend is A's. Proof: `tests/test_pgbouncer.py`.
     """
     params = {"autocommit": True, "prepare_threshold": None, "connect_timeout": 5}
-    with psycopg.connect(_libpq(url), **params) as a, psycopg.connect(_libpq(url), **params) as b:
+    with psycopg.connect(libpq_url(url), **params) as a, psycopg.connect(libpq_url(url), **params) as b:
         pid_a = a.execute("SELECT pg_backend_pid()").fetchone()
         with b.transaction():
             pid_b = b.execute("SELECT pg_backend_pid()").fetchone()
@@ -141,8 +137,8 @@ def check_pooling(settings: Settings | None = None) -> None:
     leaves recovery to the leases. Session mode needs nothing.
     """
     settings = settings or get_settings()
-    url = settings.require_database_url()
-    pooled = transaction_pooled(url)
+    settings.require_database_url()
+    pooled = transaction_pooled(settings.database_url or "")
     if pooled and settings.db_pooler != "transaction":
         raise PoolerUnsafe(
             "DATABASE_URL goes through a transaction pooler (PgBouncer pool_mode=transaction?): "

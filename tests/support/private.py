@@ -243,6 +243,20 @@ class PrivatePostgres:
         if (self.data / "postmaster.pid").exists():
             self._as_owner("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
 
+    def clone_from(self, primary: PrivatePostgres) -> None:
+        """Make this cluster a streaming replica of `primary` (`pg_basebackup -R`)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            chown_tree(self.root, self.user)
+        self._as_owner(
+            "pg_basebackup", "-D", str(self.data), "-h", "127.0.0.1", "-p", str(primary.port),
+            "-U", "postgres", "-X", "stream", "-R",
+        )  # fmt: skip
+
+    def promote(self) -> None:
+        """`pg_ctl promote`: the replica becomes a read-write primary."""
+        self._as_owner("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
+
     def create_database(self) -> None:
         import psycopg
 
