@@ -127,7 +127,8 @@ def flush_broker() -> None:
     """Drop queued messages left by the previous test (they are hints, but stale ones add noise)."""
     url = os.environ["BROKER_URL"]
     if url.startswith("redis://"):
-        redis.Redis.from_url(url).flushdb()
+        # The machine's Redis is shared: another run may be restarting it right now.
+        wait_for(lambda: _flushed(url), 30, interval=0.5, what=f"{url} to answer FLUSHDB")
     elif url.startswith("amqp://"):
         import kombu
 
@@ -140,6 +141,13 @@ def flush_broker() -> None:
                     ch.queue_purge(name)
                 with contextlib.suppress(Exception):
                     ch.close()
+
+
+def _flushed(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=5).flushdb())
+    except redis.exceptions.ConnectionError:
+        return False
 
 
 def terminate_app_connections() -> int:
