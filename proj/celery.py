@@ -22,6 +22,7 @@ from proj.engine import broker
 from proj.engine.errors import IdempotencyConflict
 from proj.engine.kind import on_register
 from proj.settings import Settings, get_settings
+from proj.transport import transport_for
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("proj")
     app.conf.update(
         broker_url=settings.broker_url,
+        broker_transport=transport_for(settings.broker_url, settings.broker_transport),
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
         result_backend=None,
@@ -190,12 +192,13 @@ def _child_exit(**_: object) -> None:
 
 @signals.worker_init.connect
 def _preflight(**_: object) -> None:
-    """Refuse to start on a stale schema or an impossible connection budget."""
-    from proj.engine.preflight import check_connection_budget, check_schema
+    """Refuse to start on a stale schema, an impossible connection budget or an unsafe pooler."""
+    from proj.engine.preflight import check_connection_budget, check_pooling, check_schema
 
     try:
         check_schema()
         check_connection_budget()
+        check_pooling()
     except Exception as exc:
         log.critical("worker refuses to start: %s", exc)
         raise SystemExit(f"worker refuses to start: {exc}") from exc

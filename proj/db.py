@@ -37,11 +37,27 @@ def get_engine() -> Engine:
                     pool_size=s.db_pool_size,
                     max_overflow=s.db_max_overflow,
                     pool_recycle=1800,
-                    connect_args={"application_name": "proj", "connect_timeout": 5, **tcp_params()},
+                    connect_args={
+                        "application_name": "proj",
+                        "connect_timeout": 5,
+                        **tcp_params(),
+                        **pooler_params(),
+                    },
                 )
                 _ping_when_idle(_engine, s.db_ping_idle_s)
                 _sessions = sessionmaker(_engine, expire_on_commit=False)
     return _engine
+
+
+def pooler_params() -> dict[str, Any]:
+    """psycopg settings for what DATABASE_URL reaches (`DB_POOLER`).
+
+    Behind a transaction pooler (PgBouncer `pool_mode=transaction`) consecutive transactions of
+    one client may run on different server connections, so a statement psycopg prepared on one
+    is unknown on the next ("prepared statement _pg3_0 does not exist"): never prepare there.
+    Proof: `tests/integration/test_pgbouncer.py`.
+    """
+    return {"prepare_threshold": None} if get_settings().db_pooler == "transaction" else {}
 
 
 def tcp_params() -> dict[str, int]:

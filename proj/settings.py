@@ -7,6 +7,7 @@ admin and the CLI all read one configuration. Secrets are `SecretStr` so they ne
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +20,18 @@ class Settings(BaseSettings):
 
     database_url: str | None = Field(default=None, description="Postgres URL, shared by all")
     broker_url: str | None = Field(default=None, description="Celery broker (redis:// or amqp://)")
+    db_pooler: Literal["none", "session", "transaction"] = Field(
+        default="none",
+        description="what DATABASE_URL reaches: Postgres itself, or a pooler (PgBouncer) in this mode",
+    )
+    liveness_database_url: str | None = Field(
+        default=None,
+        description="direct Postgres URL for the liveness sessions (required with DB_POOLER=transaction)",
+    )
+    broker_transport: str | None = Field(
+        default=None,
+        description="kombu transport; default: ours guarded against restarts for redis:// (proj.transport)",
+    )
 
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="step lease length")
     sweep_interval_s: float = Field(default=1.0, gt=0, description="beat period of the sweeper")
@@ -150,10 +163,33 @@ class Settings(BaseSettings):
 
 
 def sqlalchemy_url(url: str) -> str:
-    """Normalise postgres:// and postgresql:// URLs to the psycopg 3 dialect."""
-    for prefix in ("postgres://", "postgresql://"):
+    """Normalise postgres:// and postgresql:// URLs to the psycopg 3 dialect.
+
+    A libpq multi-host URL (`postgresql://u@h1:5432,h2:5432/db?target_session_attrs=read-write`,
+    for failover) becomes SQLAlchemy's form, one `host=h:port` query item per host.
+    """
+    for prefix in ("postgres://", "postgresql://", "postgresql+psycopg://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
+            return "postgresql+psycopg://" + _hosts_as_query(url[len(prefix) :])
+    return url
+
+
+def _hosts_as_query(rest: str) -> str:
+    """`u@h1:p1,h2:p2/db?q` → `u@/db?host=h1:p1&host=h2:p2&q` (a single host is left alone)."""
+    netloc, sep, tail = rest.partition("/")
+    user, at, hosts = netloc.rpartition("@")
+    if "," not in hosts:
+        return rest
+    path, qsep, query = tail.partition("?")
+    items = [f"host={h}" for h in hosts.split(",")] + ([query] if query else [])
+    return f"{user}{at}/{path}?" + "&".join(items)
+
+
+def libpq_url(url: str) -> str:
+    """The libpq form of a configured URL (the `+psycopg` dialect marker removed), as given."""
+    for prefix in ("postgresql+psycopg://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql://" + url[len(prefix) :]
     return url
 
 

@@ -18,6 +18,10 @@ PG_ADMIN_URL = os.environ.get("PROJ_PG_ADMIN_URL", "postgresql://postgres@127.0.
 BROKER = os.environ.get("PROJ_TEST_BROKER", "redis://127.0.0.1:6379/5")
 
 os.environ.setdefault("DATABASE_URL", PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + TEST_DB)
+# `PROJ_TEST_PGBOUNCER=transaction|session`: the engine (workers and this process) reaches the
+# test database through a private PgBouncer in that pool mode (scripts/test runs the engine's
+# core tests so); the liveness sessions and the test's admin statements stay direct.
+PGBOUNCER_MODE = os.environ.get("PROJ_TEST_PGBOUNCER", "")
 os.environ.setdefault("BROKER_URL", BROKER)
 os.environ.setdefault("LEASE_TTL_S", "3")
 os.environ.setdefault("SWEEP_INTERVAL_S", "0.5")
@@ -33,10 +37,35 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
-import proj.celery  # noqa: E402,F401  the wiring: every kind the tests name is declared (no service needed)
 from tests.support import services  # noqa: E402
 
 UNIT = os.path.join(_ROOT, "tests", "unit") + os.sep
+
+
+def _through_pgbouncer(mode: str) -> None:
+    import atexit
+
+    from tests.support.private import PrivatePgBouncer
+
+    bouncer = PrivatePgBouncer(upstream_port=5432, database=TEST_DB, mode=mode)
+    bouncer.start()
+    atexit.register(bouncer.stop)
+    os.environ["LIVENESS_DATABASE_URL"] = os.environ["DATABASE_URL"]
+    os.environ["DATABASE_URL"] = bouncer.url
+    os.environ["DB_POOLER"] = mode
+    services.recreate_database(PG_ADMIN_URL, TEST_DB)  # PgBouncer connects to it lazily
+
+    from proj.engine.preflight import transaction_pooled  # imports `proj`: the env is set now
+
+    if transaction_pooled(bouncer.url) != (mode == "transaction"):
+        raise RuntimeError(f"PgBouncer on {bouncer.port} does not pool in {mode} mode")
+
+
+if PGBOUNCER_MODE:
+    _through_pgbouncer(PGBOUNCER_MODE)
+
+
+import proj.celery  # noqa: E402,F401  the wiring (after the environment is final): every kind the tests name
 
 
 @pytest.fixture(scope="session")

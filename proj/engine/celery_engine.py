@@ -63,11 +63,12 @@ class CeleryTaskEngine:
         `outbox` (with `beat`) also dispatches the outbox every tick, as `celery -A proj beat`
         does. Off by default: tests drive `outbox.dispatch` themselves and count its calls.
         """
-        from proj.engine.preflight import check_connection_budget, check_schema
+        from proj.engine.preflight import check_connection_budget, check_pooling, check_schema
 
         app = self._app
         check_schema()
         check_connection_budget()
+        check_pooling()
         self._stopping.clear()
         if "worker" in roles:
             from proj.engine.liveness import LIVENESS

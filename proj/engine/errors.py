@@ -66,3 +66,7 @@ class ConnectionBudgetExceeded(EngineError):
 
 class EngineNotWired(EngineError):
     """No Celery app could be had to publish through (`proj.engine.broker`)."""
+
+
+class PoolerUnsafe(EngineError):
+    """DATABASE_URL goes through a connection pooler in a mode the configuration does not allow for."""

@@ -41,7 +41,7 @@ import psycopg
 
 from proj import db
 from proj.engine.store import leases as sql
-from proj.settings import get_settings, sqlalchemy_url
+from proj.settings import get_settings, libpq_url
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,16 @@ APPLICATION_NAME = "proj-liveness"
 
 
 def _conninfo() -> str:
-    """The libpq form of DATABASE_URL (SQLAlchemy's `+psycopg` marker removed)."""
-    url = get_settings().require_database_url()
-    return sqlalchemy_url(url).replace("postgresql+psycopg://", "postgresql://", 1)
+    """The libpq form of the liveness URL: `LIVENESS_DATABASE_URL`, else DATABASE_URL.
+
+    A session advisory lock needs a real session: behind a transaction pooler the lock would
+    stay on whichever server connection ran the statement (held after this process died, or
+    dropped while it lives), so `DB_POOLER=transaction` needs a direct URL here
+    (`proj.engine.preflight.check_pooling`, `tests/integration/test_pgbouncer.py`).
+    """
+    s = get_settings()
+    s.require_database_url()
+    return libpq_url(s.liveness_database_url or s.database_url or "")
 
 
 class Liveness:

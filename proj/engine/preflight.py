@@ -1,4 +1,5 @@
-"""Start-up checks: the schema is current and the connection budget fits (invariant 12).
+"""Start-up checks: the schema is current, the connection budget fits (invariant 12) and a
+connection pooler in front of Postgres runs in a mode the engine is configured for.
 
 Workers never migrate; they refuse to start with a message that says what to run.
 """
@@ -9,13 +10,14 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
 from proj import db
-from proj.engine.errors import ConnectionBudgetExceeded, SchemaBehind
-from proj.settings import Settings, get_settings
+from proj.engine.errors import ConnectionBudgetExceeded, PoolerUnsafe, SchemaBehind
+from proj.settings import Settings, get_settings, libpq_url
 
 
 def _migrations_dir() -> Path:
@@ -119,3 +121,50 @@ def migrate_to_head() -> str:
 
     command.upgrade(alembic_config(get_settings().require_database_url()), "head")
     return head_revision()
+
+
+def transaction_pooled(url: str) -> bool:
+    """Whether `url` reaches Postgres through a transaction (or statement) pooler.
+
+    Two client connections: A runs one statement in autocommit, then B opens a transaction.
+    Directly or through a session pooler they are two sessions, two backends. A transaction
+    pooler hands B the server connection A just released (PgBouncer reuses the most recently
+    used one first), so B's backend is A's. Proof: `tests/integration/test_pgbouncer.py`.
+    """
+    conninfo = libpq_url(url)
+    with (
+        psycopg.connect(conninfo, autocommit=True, prepare_threshold=None, connect_timeout=5) as a,
+        psycopg.connect(conninfo, autocommit=True, prepare_threshold=None, connect_timeout=5) as b,
+    ):
+        pid_a = a.execute("SELECT pg_backend_pid()").fetchone()
+        with b.transaction():
+            pid_b = b.execute("SELECT pg_backend_pid()").fetchone()
+    return pid_a == pid_b
+
+
+def check_pooling(settings: Settings | None = None) -> None:
+    """Refuse a pooler mode the engine cannot run behind, saying what to set.
+
+    Behind PgBouncer in transaction mode the engine needs `DB_POOLER=transaction` (no prepared
+    statements, `proj.db.pooler_params`) and its liveness sessions (session advisory locks,
+    `proj.engine.liveness`) on a direct `LIVENESS_DATABASE_URL`; or `REAP_INTERVAL_S=0`, which
+    leaves recovery to the leases. Session mode needs nothing.
+    """
+    settings = settings or get_settings()
+    settings.require_database_url()
+    pooled = transaction_pooled(settings.database_url or "")
+    if pooled and settings.db_pooler != "transaction":
+        raise PoolerUnsafe(
+            "DATABASE_URL goes through a transaction pooler (PgBouncer pool_mode=transaction?): "
+            "set DB_POOLER=transaction and LIVENESS_DATABASE_URL=<a direct Postgres URL>, "
+            "or use pool_mode=session (README: PgBouncer)"
+        )
+    if settings.db_pooler != "transaction" or settings.reap_interval_s <= 0:
+        return
+    live = settings.liveness_database_url
+    if not live or transaction_pooled(live):
+        raise PoolerUnsafe(
+            "DB_POOLER=transaction: the liveness sessions hold session advisory locks, unsafe "
+            "behind a transaction pooler; set LIVENESS_DATABASE_URL to a direct Postgres URL "
+            "(not through the pooler), or REAP_INTERVAL_S=0 to recover by leases only"
+        )

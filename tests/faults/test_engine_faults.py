@@ -12,6 +12,7 @@ from proj.engine import runs
 from proj.settings import get_settings
 from tests.conftest import new_key
 from tests.support import services
+from tests.support.private import PrivateRedis, private_redis, use_broker
 from tests.support.services import scalar, sql, wait_for
 
 
@@ -157,12 +158,19 @@ def test_sigstopped_worker_cannot_commit_after_losing_its_lease(procs) -> None:
     assert [o for _, o in outcomes] == [None, "succeeded"]
 
 
-def test_postgres_connections_killed_and_redis_restarted_mid_run(procs) -> None:
+def test_postgres_connections_killed_and_redis_restarted_mid_run(procs, tmp_path) -> None:
     """Runs finish when every app connection is terminated and Redis (with the queued
-    messages) is restarted while they are in flight."""
-    procs.worker("w1", concurrency=2)
-    procs.worker("w2", concurrency=2)
-    procs.beat()
+    messages) is restarted while they are in flight. The Redis is a private one
+    (`tests.support.private`): the machine's shared Redis is never restarted."""
+    with private_redis(tmp_path) as rds, use_broker(rds.url):
+        _killed_and_restarted(procs, rds)
+
+
+def _killed_and_restarted(procs, rds: PrivateRedis) -> None:
+    env = {"BROKER_URL": rds.url}
+    procs.worker("w1", concurrency=2, env=env)
+    procs.worker("w2", concurrency=2, env=env)
+    procs.beat(env=env)
     refs = [
         runs.enqueue("probe", {"n": i, "slow_step": "s2", "slow_s": 1.0}, idempotency_key=new_key())
         for i in range(20)
@@ -174,7 +182,7 @@ def test_postgres_connections_killed_and_redis_restarted_mid_run(procs) -> None:
     )
     killed = services.terminate_app_connections()
     assert killed > 0
-    services.restart_redis(down_s=1.0)
+    rds.restart(down_s=1.0)
     time.sleep(0.5)
     services.terminate_app_connections()
     wait_for(

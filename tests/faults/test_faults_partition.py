@@ -1,4 +1,5 @@
-"""A network partition between a worker and Postgres (issue #18, item 4).
+"""Network partitions (issue #18, item 4): between a worker and Postgres, and between a worker
+and Redis.
 
 The worker reaches Postgres through a loopback proxy port; iptables then drops every packet to
 and from that port (a blackhole: nothing is closed, nothing answers) for longer than the lease.
@@ -12,7 +13,6 @@ and from that port (a blackhole: nothing is closed, nothing answers) for longer 
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +23,8 @@ from proj.engine import runs
 from tests.conftest import new_key
 from tests.integration.test_ledger import _effects_input, _run_status, op_row
 from tests.kinds_effects import Receiver, lines_for, read_journal
-from tests.support.proxy import CutProxy
+from tests.support.private import private_redis, use_broker
+from tests.support.proxy import Blackhole, CutProxy
 from tests.support.services import pg_url, scalar, sql, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,30 +42,6 @@ def pg_proxy() -> Iterator[CutProxy]:
     proxy = CutProxy(upstream=("127.0.0.1", 5432), match=b"\\0never\\0", cuts=0)  # forwards only
     yield proxy
     proxy.close()
-
-
-class Blackhole:
-    """iptables rules dropping every packet to and from one loopback port (both directions)."""
-
-    def __init__(self, port: int) -> None:
-        self.rules = [
-            ["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
-            ["INPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"],
-        ]
-        self.on = False
-
-    def cut(self) -> None:
-        for rule in self.rules:
-            done = subprocess.run(["iptables", "-I", *rule], capture_output=True, text=True)
-            if done.returncode != 0:
-                pytest.fail(f"iptables cannot drop packets here (root needed): {done.stderr}")
-        self.on = True
-
-    def heal(self) -> None:
-        if self.on:
-            for rule in self.rules:
-                subprocess.run(["iptables", "-D", *rule], capture_output=True)
-            self.on = False
 
 
 def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
@@ -122,3 +99,50 @@ def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
         (ref.task_run_id,),
     )
     assert outcomes[-1][1] == "succeeded" and all(o != "succeeded" for _, o in outcomes[:-1]), outcomes
+
+
+def _succeeded(ids: list) -> int:
+    return scalar("SELECT count(*) FROM engine.task_run WHERE id = ANY(%s) AND status = 'succeeded'", (ids,))
+
+
+def test_a_worker_cut_from_redis_is_recovered_through_the_sweeper(procs, tmp_path: Path) -> None:
+    """The worker reaches its (private) Redis through a proxy port that is then blackholed for
+    longer than the lease: what it had reserved, and the steps it tries to hand on, never
+    arrive. Postgres still knows every step: the sweeper re-publishes the pending ones to a
+    worker with a working broker connection, each step runs once, and the cut worker lives."""
+    per_message = {"INLINE_STEPS": "0", "REPUBLISH_AFTER_S": "3"}
+    with private_redis(tmp_path) as rds, use_broker(rds.url):
+        proxy = CutProxy(upstream=("127.0.0.1", rds.port), match=b"\\0never\\0", cuts=0)
+        try:
+            cut_url = f"redis://127.0.0.1:{proxy.port}/0"
+            procs.worker("cut", concurrency=1, env={"BROKER_URL": cut_url, **per_message})
+            refs = [runs.enqueue("probe", {"n": i}, idempotency_key=new_key()) for i in range(6)]
+            wait_for(
+                lambda: scalar("SELECT count(*) FROM testkit.execution") >= 3,
+                60,
+                what="steps on the cut worker",
+            )
+            hole = Blackhole(proxy.port)
+            try:
+                hole.cut()
+                env = {"BROKER_URL": rds.url, **per_message}
+                procs.worker("healthy", concurrency=2, env=env)
+                procs.beat(env=env)
+                ids = [r.task_run_id for r in refs]
+                wait_for(
+                    lambda: _succeeded(ids) == len(ids), 120, what="every run to finish past the partition"
+                )
+                assert procs.procs["cut"].poll() is None, "the cut worker exited"
+                print(f"redis partition: {len(ids)} runs finished past it, the cut worker alive")
+            finally:
+                hole.heal()
+        finally:
+            proxy.close()
+    steps = sql("SELECT name, count(*) FROM engine.step WHERE status = 'succeeded' GROUP BY 1 ORDER BY 1")
+    assert steps == [(f"s{i}", 6) for i in range(1, 6)]
+    rerun = sql(
+        "SELECT run_id, step FROM testkit.execution WHERE ended_at IS NOT NULL "
+        "GROUP BY 1, 2 HAVING count(*) > 1"
+    )
+    assert rerun == []
+    assert "probe.v1." in procs.log("healthy"), "the healthy worker ran none of the steps"

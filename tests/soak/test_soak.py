@@ -8,16 +8,21 @@ Configured by the environment (all optional):
   at its end (or earlier, once every pipeline is done);
 - `SOAK_SETTLE_S` (240): after the window, how long the pipelines may take to finish;
 - `SOAK_SEED` (20240611): the seed of every random choice (payloads, fault order and timing);
-- `SOAK_MAX_FAULTS` (80): a bound on injected faults.
+- `SOAK_MAX_FAULTS` (80): a bound on injected faults;
+- `SOAK_MIN_REDIS_RESTARTS` (20): faults go on after the last pipeline finished until Redis was
+  restarted this often (within the window and `SOAK_MAX_FAULTS`).
 
 Short form (about 2 minutes here): `SOAK_PIPELINES=80 SOAK_SECONDS=240 pytest -m soak tests/soak -q`
 (requests are spread over 40 % of the window, so faults keep coming until the last pipeline).
 
 Faults, every 2-4 s: SIGKILL a worker (and start a replacement), SIGSTOP a worker for longer than
-the lease then SIGCONT it, restart Redis (every queued message lost), `pg_terminate_backend` every
-application connection. At the end the outside world is checked, not the engine's word: the
-library on disk, `acq.library_item`, the ledger, qBittorrent's torrent list, every run, the
-outbox and the webhook receiver.
+the lease then SIGCONT it, restart Redis (every queued message lost; twice as often as the
+others), `pg_terminate_backend` every application connection, `pg_ctl restart` (fast or
+immediate) of Postgres. Redis and Postgres are the soak's own private instances, never the
+shared ones. Workers that exit by themselves are restarted and counted; the report prints
+worker exits and Redis restarts, and the test fails unless no worker exited. At the end the
+outside world is checked, not the engine's word: the library on disk, `acq.library_item`, the
+ledger, qBittorrent's torrent list, every run, the outbox and the webhook receiver.
 
 qBittorrent's on-finish hook appends `%I` to a file and a relay thread here calls the engine's
 `signal` for each line (the production hook is `proj signal download:%I`, covered by
@@ -52,6 +57,7 @@ from tests.acq_fixtures import *  # noqa: F403
 from tests.acq_fixtures import Receiver
 from tests.qbt_fixtures import *  # noqa: F403
 from tests.support import services
+from tests.support.private import PrivatePostgres, PrivateRedis, private_postgres, private_redis, use_broker
 from tests.support.services import ProcessGroup, scalar, sql, wait_for
 
 PIPELINES = int(os.environ.get("SOAK_PIPELINES", "200"))
@@ -59,6 +65,7 @@ SECONDS = float(os.environ.get("SOAK_SECONDS", "150"))
 SETTLE_S = float(os.environ.get("SOAK_SETTLE_S", "240"))
 SEED = int(os.environ.get("SOAK_SEED", "20240611"))
 MAX_FAULTS = int(os.environ.get("SOAK_MAX_FAULTS", "80"))
+MIN_REDIS_RESTARTS = int(os.environ.get("SOAK_MIN_REDIS_RESTARTS", "20"))
 WORKERS = 3
 LEASE_TTL_S = float(os.environ.get("LEASE_TTL_S", "3"))
 
@@ -179,6 +186,8 @@ class Chaos:
     procs: ProcessGroup
     env: dict[str, str]
     rng: random.Random
+    broker: PrivateRedis
+    database: PrivatePostgres
     stop: threading.Event = field(default_factory=threading.Event)
     counts: Counter[str] = field(default_factory=Counter)
     log: list[str] = field(default_factory=list)
@@ -206,10 +215,11 @@ class Chaos:
     def supervise(self) -> None:
         """Restart workers that exited by themselves, as a process supervisor would.
 
-        Celery's worker can die of a Redis restart: when its consumer closes the lost
-        connection, kombu's `restore_unacked` raises on the closed channel ("Unrecoverable
-        error: AttributeError ... 'hostname'") and the worker exits. A deployment restarts it
-        (systemd, `restart:` in compose); so does this driver, and the report counts it.
+        None should: kombu's Redis transport used to kill a worker on a Redis restart
+        (`restore_unacked` on a closed transport, "Unrecoverable error: AttributeError ...
+        'hostname'"); `proj.transport.GuardedTransport` fixed that. A deployment would restart
+        an exited worker (systemd, `restart:` in compose); so does this driver, the report
+        counts it and the test then fails: the expected count is 0.
         """
         for name in [w for w in self.workers if self.procs.procs[w].poll() is not None]:
             code = self.procs.procs[name].poll()
@@ -255,20 +265,33 @@ class Chaos:
 
     def restart_redis(self) -> None:
         down = self.rng.uniform(0.5, 2.0)
-        services.restart_redis(down_s=down)
+        self.broker.restart(down_s=down)
         self.note(f"Redis restarted ({down:.1f}s down)")
+
+    def restart_pg(self) -> None:
+        mode = self.rng.choice(["fast", "immediate"])
+        self.database.restart(mode=mode)
+        self.note(f"pg_ctl restart -m {mode}")
 
     def kill_pg(self) -> None:
         n = services.terminate_app_connections()
         self.note(f"pg_terminate_backend x{n}")
 
+    def enough_redis_restarts(self) -> bool:
+        return self.broker.restarts >= MIN_REDIS_RESTARTS
+
     def run(self, until: float, done: Callable[[], bool]) -> None:
-        kinds = ["kill_worker", "stop_worker", "restart_redis", "kill_pg"]
+        # Redis restarts weigh double; once every pipeline finished, only Redis restarts go on,
+        # a little faster, until MIN_REDIS_RESTARTS (the workers must survive each one).
+        kinds = ["kill_worker", "stop_worker", "restart_redis", "restart_redis", "kill_pg", "restart_pg"]
         while not self.stop.is_set() and sum(self.counts.values()) < MAX_FAULTS:
-            if self.stop.wait(self.rng.uniform(2.0, 4.0)) or time.monotonic() > until or done():
+            finished = done()
+            if time.monotonic() > until or (finished and self.enough_redis_restarts()):
+                break
+            if self.stop.wait(self.rng.uniform(2.0, 3.0) if finished else self.rng.uniform(2.0, 4.0)):
                 break
             self.supervise()
-            kind = self.rng.choice(kinds)
+            kind = "restart_redis" if finished else self.rng.choice(kinds)
             try:
                 if kind == "kill_worker":
                     self.kill_worker()
@@ -278,15 +301,17 @@ class Chaos:
                         self.kill_pg()
                 elif kind == "restart_redis":
                     self.restart_redis()
+                elif kind == "restart_pg":
+                    self.restart_pg()
                 else:
                     self.kill_pg()
                 self.counts[kind] += 1
             except Exception as exc:  # a fault that could not be injected is reported, not fatal
                 self.counts[f"{kind} (failed to inject)"] += 1
                 self.note(f"{kind} failed: {exc!r}")
-                if kind == "restart_redis":
+                if kind == "restart_redis" and not self.broker.answers():
                     with contextlib.suppress(Exception):
-                        services.ensure_redis()
+                        self.broker.start()
 
     def thaw_all(self) -> None:
         for t in self.timers:
@@ -375,17 +400,39 @@ def soak_procs(tmp_path: Path) -> Iterator[ProcessGroup]:
     group.stop_all()
 
 
-def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Receiver, capsys) -> None:
+@pytest.fixture
+def soak_broker(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """The soak's own Redis (it restarts it): workers, beat and this process all use it."""
+    with private_redis(tmp_path) as server, use_broker(server.url):
+        yield server
+
+
+@pytest.fixture
+def soak_database() -> Iterator[PrivatePostgres]:
+    """The soak's own Postgres cluster (it restarts it), migrated; this process uses it too."""
+    with private_postgres() as server:
+        yield server
+
+
+def test_chaos_soak(
+    soak_swarm: SoakSwarm,
+    soak_broker: PrivateRedis,
+    soak_database: PrivatePostgres,
+    soak_procs: ProcessGroup,
+    webhook: Receiver,
+    capsys,
+) -> None:
     t0 = time.monotonic()
     swarm = soak_swarm
     items = swarm.items
     client_errors: list[str] = []
     report: list[str] = []
 
-    chaos = Chaos(soak_procs, {**swarm.worker_env()}, random.Random(SEED ^ 0x5EED))
+    env = {**swarm.worker_env(), "BROKER_URL": soak_broker.url, "DATABASE_URL": soak_database.url}
+    chaos = Chaos(soak_procs, env, random.Random(SEED ^ 0x5EED), soak_broker, soak_database)
     for _ in range(WORKERS):
         chaos.start_worker()
-    soak_procs.beat(env=swarm.worker_env())
+    soak_procs.beat(env=env)
     setup_s = time.monotonic() - t0
 
     engine = CeleryTaskEngine()
@@ -427,12 +474,15 @@ def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Re
     deadline = start + SECONDS + SETTLE_S
     next_print = start
     chaos_end: float | None = None
+    first_all_done: float | None = None
     try:
         while True:
             n = safe(done_count, 0)
             now = time.monotonic()
             if chaos_end is None and not driver.is_alive():
                 chaos_end = now
+            if first_all_done is None and n >= len(items) and feed_done.is_set():
+                first_all_done = now
             if now >= next_print:
                 with capsys.disabled():
                     print(
@@ -441,13 +491,13 @@ def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Re
                         flush=True,
                     )
                 next_print = now + 15
-            if n >= len(items) and feed_done.is_set():
+            if n >= len(items) and feed_done.is_set() and not driver.is_alive():
                 break
             bad = [r for r in safe(failed_runs, []) if r[0] in ("acquire", "import", "notify")]
             if bad or now > deadline:
                 break
             time.sleep(1.0)
-        all_done_at = time.monotonic()
+        all_done_at = first_all_done or time.monotonic()
         chaos.stop.set()
         driver.join(60)
         chaos_end = chaos_end or time.monotonic()
@@ -503,7 +553,8 @@ def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Re
         f"{drain_s:.1f}s, checks {checks_s:.1f}s, test body {total:.1f}s",
         f"faults injected ({sum(chaos.counts.values())}): "
         + ", ".join(f"{k}={v}" for k, v in sorted(chaos.counts.items())),
-        f"worker processes started in all: {chaos.serial}; exited by themselves and restarted: {chaos.exits}",
+        f"worker processes started in all: {chaos.serial}; Redis restarts: {soak_broker.restarts}; "
+        f"worker exits: {chaos.exits} (supervisor restarts: {chaos.exits})",
         f"invariants checked ({sum(checked.values())}): " + ", ".join(f"{k}={v}" for k, v in checked.items()),
         f"engine: {stats}",
         f"client-side retries in the test process: {len(client_errors)} "
@@ -518,6 +569,7 @@ def test_chaos_soak(soak_swarm: SoakSwarm, soak_procs: ProcessGroup, webhook: Re
     (soak_procs.tmp / "soak-report.txt").write_text(text + "\n")
     with capsys.disabled():
         print("\n" + text, flush=True)
+    assert chaos.exits == 0, f"{chaos.exits} worker(s) exited by themselves; see the fault log above"
 
 
 def drained(n: int) -> bool:

@@ -1,7 +1,9 @@
-"""A loopback TCP proxy that can cut a connection after the request was sent upstream.
+"""A loopback TCP proxy that can cut a connection after the request was sent upstream, and an
+iptables blackhole for a port (a network partition: nothing is closed, nothing answers).
 
-Models "qBittorrent accepted the add but the reply never arrived": the upstream processes the
-request, the client sees a dropped connection and must not add the torrent twice.
+The proxy models "qBittorrent accepted the add but the reply never arrived": the upstream
+processes the request, the client sees a dropped connection and must not add the torrent twice.
+With `cuts=0` it only forwards, giving one worker its own port to partition.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import subprocess
 import threading
 from dataclasses import dataclass, field
+
+import pytest
 
 
 @dataclass
@@ -60,7 +65,11 @@ class CutProxy:
         return False
 
     def _pipe(self, client: socket.socket) -> None:
-        upstream = socket.create_connection(self.upstream)
+        try:
+            upstream = socket.create_connection(self.upstream)
+        except OSError:  # the upstream is down (a restart, a test's teardown): refuse the client
+            client.close()
+            return
         cutting = False
         try:
             while not self._stop.is_set():
@@ -88,3 +97,27 @@ class CutProxy:
     def close(self) -> None:
         self._stop.set()
         self._server.close()
+
+
+class Blackhole:
+    """iptables rules dropping every packet to and from one loopback port (both directions)."""
+
+    def __init__(self, port: int) -> None:
+        self.rules = [
+            ["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
+            ["INPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"],
+        ]
+        self.on = False
+
+    def cut(self) -> None:
+        for rule in self.rules:
+            done = subprocess.run(["iptables", "-I", *rule], capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.fail(f"iptables cannot drop packets here (root needed): {done.stderr}")
+        self.on = True
+
+    def heal(self) -> None:
+        if self.on:
+            for rule in self.rules:
+                subprocess.run(["iptables", "-D", *rule], capture_output=True)
+            self.on = False

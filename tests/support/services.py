@@ -80,15 +80,6 @@ def start_redis() -> None:
     wait_for(lambda: _port_open(6379), 30, what="redis on 6379")
 
 
-def restart_redis(down_s: float = 1.0) -> None:
-    """Stop Redis (losing every queued message: it keeps nothing on disk) and start it again."""
-    with contextlib.suppress(redis.exceptions.ConnectionError):
-        redis.Redis(host="127.0.0.1", port=6379).shutdown(nosave=True)
-    wait_for(lambda: not _port_open(6379), 10, what="redis to stop")
-    time.sleep(down_s)
-    start_redis()
-
-
 def recreate_database(admin_url: str, name: str) -> None:
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(
@@ -136,7 +127,8 @@ def flush_broker() -> None:
     """Drop queued messages left by the previous test (they are hints, but stale ones add noise)."""
     url = os.environ["BROKER_URL"]
     if url.startswith("redis://"):
-        redis.Redis.from_url(url).flushdb()
+        # The machine's Redis is shared: another run may be restarting it right now.
+        wait_for(lambda: _flushed(url), 30, interval=0.5, what=f"{url} to answer FLUSHDB")
     elif url.startswith("amqp://"):
         import kombu
 
@@ -149,6 +141,13 @@ def flush_broker() -> None:
                     ch.queue_purge(name)
                 with contextlib.suppress(Exception):
                     ch.close()
+
+
+def _flushed(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=5).flushdb())
+    except redis.exceptions.ConnectionError:
+        return False
 
 
 def terminate_app_connections() -> int:
