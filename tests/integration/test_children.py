@@ -252,3 +252,41 @@ def test_result_of_an_unknown_run_is_a_key_error(inproc) -> None:
 
     with pytest.raises(KeyError):
         inproc.result(uuid.uuid4(), 1)
+
+
+def test_admin_run_page_and_proj_show_display_the_parent_child_tree(inproc) -> None:
+    from fastapi.testclient import TestClient
+    from pydantic import SecretStr
+    from typer.testing import CliRunner
+
+    from proj import cli as cli_mod
+    from proj.admin.app import create_app
+    from proj.settings import get_settings
+    from tests.kinds_admin import ADMIN_DDL
+
+    sql(ADMIN_DDL)
+    ref = inproc.enqueue("cfan", {"count": 2}, idempotency_key=new_key())
+    assert inproc.result(ref.task_run_id, 30) == 2
+    kids = _children(ref.task_run_id)
+    settings = get_settings().model_copy(update={"admin_password": SecretStr("pw")})
+    with TestClient(create_app(settings)) as client:
+        client.auth = ("admin", "pw")
+        page = client.get(f"/admin/runs/{ref.task_run_id}")
+        assert page.status_code == 200
+        assert 'id="child-runs"' in page.text
+        for kid in kids:
+            assert f'href="/admin/runs/{kid[0]}"' in page.text
+        assert page.text.count('data-status="succeeded"') >= 2
+        child_page = client.get(f"/admin/runs/{kids[0][0]}")
+        assert child_page.status_code == 200
+        assert f'id="parent-run"><a href="/admin/runs/{ref.task_run_id}"' in child_page.text
+        # the timeline still reads business tables: the child's page renders without steps' orphans
+        assert "Business timeline" in child_page.text
+
+    runner = CliRunner()
+    out = runner.invoke(cli_mod.cli, ["show", str(ref.task_run_id)], env={"COLUMNS": "250"}).output
+    for kid in kids:
+        assert str(kid[0]) in out
+    assert "each[0] → cleaf@1" in out and "each[1] → cleaf@1" in out
+    out = runner.invoke(cli_mod.cli, ["show", str(kids[1][0])], env={"COLUMNS": "250"}).output
+    assert f"parent: cfan@1 {ref.task_run_id}" in out

@@ -16,13 +16,18 @@ at commit, which `TaskEngine.result()` listens for.
 | `PAST_DEADLINE` | live runs past `deadline_at`, no live lease | locked for `EXPIRE_RUN` |
 | `EXPIRE_RUN` | run live | failed with `DeadlineExceeded` |
 | `RUN_OUTCOME` (psycopg) | | a run's status and outcome, read by `result()` on its LISTEN connection |
+| `PARENT_OF`, `DESCENDANTS` | | a run's family tree (`family`: /admin run page, `proj show`) |
 
 Proofs: `tests/integration/test_children.py`, `tests/faults/test_children_faults.py`.
 """
 
 from __future__ import annotations
 
+import uuid
+from typing import Any, NamedTuple
+
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 RUN_FINISHED_CHANNEL = "engine_run_finished"
 
@@ -85,3 +90,72 @@ LISTEN = "LISTEN engine_run_finished"
 RUN_OUTCOME = """
     SELECT status, result, last_error, cancel_reason FROM engine.task_run WHERE id = %(id)s
 """
+
+# The admin run page and `proj show`: the run's parent, and its descendants (depth-first order is
+# built by `family`), a few levels deep.
+PARENT_OF = text(
+    """
+    SELECT p.id, p.kind, p.version, p.status
+      FROM engine.task_run r JOIN engine.task_run p ON p.id = r.parent_run_id
+     WHERE r.id = :id
+    """
+)
+
+DESCENDANTS = text(
+    """
+    WITH RECURSIVE tree AS (
+        SELECT id, parent_run_id, kind, version, status, idempotency_key, created_at, 1 AS depth
+          FROM engine.task_run WHERE parent_run_id = :id
+        UNION ALL
+        SELECT r.id, r.parent_run_id, r.kind, r.version, r.status, r.idempotency_key, r.created_at,
+               t.depth + 1
+          FROM engine.task_run r JOIN tree t ON r.parent_run_id = t.id
+         WHERE t.depth < :max_depth
+    )
+    SELECT id, parent_run_id, kind, version, status, idempotency_key, depth FROM tree
+     ORDER BY depth, created_at, id
+    """
+)
+
+
+class RunNode(NamedTuple):
+    """One run of a family tree: its depth below the run shown (0: the parent above it)."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    status: str
+    depth: int
+    step: str | None  # the parent's child step that started it (and its item index)
+
+
+class Family(NamedTuple):
+    parent: RunNode | None
+    children: list[RunNode]
+
+
+def family(s: Session, run_id: uuid.UUID, max_depth: int = 4) -> Family:
+    """A run's parent and its descendants, depth first (each child under the one that started it)."""
+    p = s.execute(PARENT_OF, {"id": run_id}).first()
+    parent = RunNode(p.id, p.kind, p.version, p.status, 0, None) if p is not None else None
+    rows = s.execute(DESCENDANTS, {"id": run_id, "max_depth": max_depth}).all()
+    by_parent: dict[uuid.UUID, list[Any]] = {}
+    for r in rows:
+        by_parent.setdefault(r.parent_run_id, []).append(r)
+    out: list[RunNode] = []
+
+    def walk(of: uuid.UUID) -> None:
+        for r in by_parent.get(of, []):
+            out.append(RunNode(r.id, r.kind, r.version, r.status, r.depth, _step_of(r.idempotency_key)))
+            walk(r.id)
+
+    walk(run_id)
+    return Family(parent, out)
+
+
+def _step_of(key: str) -> str | None:
+    """`child:<parent>:<step>:<item>` → `step[item]` (`children.child_key`)."""
+    parts = key.split(":")
+    if len(parts) == 4 and parts[0] == "child":
+        return f"{parts[2]}[{parts[3]}]"
+    return None
