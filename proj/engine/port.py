@@ -41,6 +41,8 @@ class TaskRunView:
     wait_topic: str | None = None
     wait_until: datetime | None = None
     pending_reason: str | None = None
+    parent_run_id: UUID | None = None
+    deadline_at: datetime | None = None
 
 
 class TaskEngine(Protocol):

@@ -92,6 +92,8 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         wait_topic=row.wait_topic if row.status == "waiting" else None,
         wait_until=row.wait_until if row.status == "waiting" else None,
         pending_reason=_pending_reason(row),
+        parent_run_id=row.parent_run_id,
+        deadline_at=row.deadline_at,
     )
 
 
