@@ -10,6 +10,8 @@ Create Date: 2026-12-04
 - `engine.task_run.deadline_at`: past it no step of the run is claimed; the sweeper fails the
   run with `DeadlineExceeded` (and enqueues its compensation) once no step holds a live lease.
 - `task_run_parent_idx`: a run's children (the cancel cascade, the admin tree).
+- `task_run_live_child_idx`: the sweeper's backstop for the cascade (live children of an ended
+  parent: `store.children.ORPHANED_CHILDREN`).
 - `task_run_deadline_idx`: the sweeper's pass over live runs past their deadline.
 """
 
@@ -28,6 +30,10 @@ def upgrade() -> None:
         "CREATE INDEX task_run_parent_idx ON engine.task_run (parent_run_id) WHERE parent_run_id IS NOT NULL"
     )
     op.execute(
+        "CREATE INDEX task_run_live_child_idx ON engine.task_run (parent_run_id) "
+        "WHERE parent_run_id IS NOT NULL AND status IN ('pending', 'running', 'waiting')"
+    )
+    op.execute(
         "CREATE INDEX task_run_deadline_idx ON engine.task_run (deadline_at) "
         "WHERE deadline_at IS NOT NULL AND status IN ('pending', 'running', 'waiting')"
     )
@@ -35,6 +41,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("DROP INDEX engine.task_run_deadline_idx")
+    op.execute("DROP INDEX engine.task_run_live_child_idx")
     op.execute("DROP INDEX engine.task_run_parent_idx")
     op.execute("ALTER TABLE engine.task_run DROP COLUMN deadline_at")
     op.execute("ALTER TABLE engine.task_run DROP COLUMN parent_run_id")

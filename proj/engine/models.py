@@ -87,6 +87,13 @@ class TaskRun(Base):
         ),
         Index("task_run_parent_idx", "parent_run_id", postgresql_where=text("parent_run_id IS NOT NULL")),
         Index(
+            "task_run_live_child_idx",
+            "parent_run_id",
+            postgresql_where=text(
+                "parent_run_id IS NOT NULL AND status IN ('pending', 'running', 'waiting')"
+            ),
+        ),
+        Index(
             "task_run_deadline_idx",
             "deadline_at",
             postgresql_where=text("deadline_at IS NOT NULL AND status IN ('pending', 'running', 'waiting')"),

@@ -5,6 +5,7 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
   the run when their attempts are spent — recovery within `lease_ttl + sweep interval`;
 - parked steps whose timer is due are woken for a re-check;
 - cancel-requested runs with no live step are finalised;
+- live children of a failed or canceled parent that its cascade skipped are canceled;
 - live runs past their deadline with no live step end `failed` (`DeadlineExceeded`), with
   their compensation: a deadline wakes a parked run at once;
 - a limited kind's slot freed by an expired lease goes to the head of its line (`handoff`);
@@ -25,7 +26,7 @@ from sqlalchemy.orm import Session
 from proj import db
 from proj.engine import dispatch
 from proj.engine.admission import handoff
-from proj.engine.chain import expire_run, finalize_cancel
+from proj.engine.chain import expire_run, finalize_cancel, request_cancel
 from proj.engine.commits import fail_run
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
@@ -93,6 +94,8 @@ def sweep(*, wait: bool = False) -> SweepReport:
         for run_id in cancels:
             to_publish.extend(finalize_cancel(s, run_id))
         report.cancel_checked = len(cancels)
+        for run_id in s.scalars(children_sql.ORPHANED_CHILDREN, {"n": BATCH}).all():
+            to_publish.extend(request_cancel(s, run_id, "its parent run ended"))
         late = s.scalars(children_sql.PAST_DEADLINE, {"n": BATCH}).all()
         for run_id in late:  # parked or between steps past the deadline: the run ends now
             to_publish.extend(expire_run(s, run_id))

@@ -290,3 +290,26 @@ def test_admin_run_page_and_proj_show_display_the_parent_child_tree(inproc) -> N
     assert "each[0] → cleaf@1" in out and "each[1] → cleaf@1" in out
     out = runner.invoke(cli_mod.cli, ["show", str(kids[1][0])], env={"COLUMNS": "250"}).output
     assert f"parent: cfan@1 {ref.task_run_id}" in out
+
+
+def test_a_child_locked_during_the_cascade_is_canceled_by_the_sweeper(inproc) -> None:
+    """The cascade skips a child row locked at that moment (no deadlock with a child that is
+    finishing and waking its parent); the sweeper cancels it on a later tick if it lives on."""
+    import psycopg
+
+    from tests.support.services import pg_url
+
+    ref = inproc.enqueue("cparent", {"n": 1, "slow_s": 60}, idempotency_key=new_key())
+    wait_for(lambda: _executions("work") == 1, 10, what="the child to start")
+    (child,) = _children(ref.task_run_id)
+    with psycopg.connect(pg_url()) as holder:
+        holder.execute("SELECT 1 FROM engine.task_run WHERE id = %s FOR UPDATE", (child[0],))
+        inproc.cancel(ref.task_run_id, "withdrawn")
+        assert _status(ref.task_run_id) == "canceled"
+        assert scalar("SELECT cancel_requested_at FROM engine.task_run WHERE id = %s", (child[0],)) is None
+        holder.rollback()
+    wait_for(lambda: _status(child[0]) == "canceled", 15, what="the sweeper to cancel the orphan")
+    assert (
+        scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (child[0],))
+        == "its parent run ended"
+    )

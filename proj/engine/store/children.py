@@ -12,6 +12,11 @@ at commit, which `TaskEngine.result()` listens for.
 |---|---|---|
 | `CHILD_STATE` | | the child's status, result and error (under the topic lock) |
 | `LIVE_CHILDREN` | | a run's unfinished children not asked to cancel yet, locked (the cascade) |
+| `ORPHANED_CHILDREN` | | live children of a failed or canceled parent that a cascade skipped |
+
+The cascade locks children after their parent, while a finishing child locks itself and then
+wakes its parent: so the cascade skips a child locked right now (`SKIP LOCKED`, no deadlock),
+and the sweeper cancels it on its next tick (`ORPHANED_CHILDREN`) if it did not finish.
 | `CHILDREN` | | a run's children, for the admin tree and `proj show` |
 | `PAST_DEADLINE` | live runs past `deadline_at`, no live lease | locked for `EXPIRE_RUN` |
 | `EXPIRE_RUN` | run live | failed with `DeadlineExceeded` |
@@ -50,7 +55,19 @@ LIVE_CHILDREN = text(
      WHERE parent_run_id = :id AND status IN ('pending', 'running', 'waiting')
        AND cancel_requested_at IS NULL
      ORDER BY created_at, id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED
+    """
+)
+
+# The sweeper's backstop for `LIVE_CHILDREN`'s SKIP LOCKED: a child still live, not asked to
+# cancel, whose parent ended failed or canceled (through `task_run_live_child_idx`).
+ORPHANED_CHILDREN = text(
+    """
+    SELECT c.id FROM engine.task_run c JOIN engine.task_run p ON p.id = c.parent_run_id
+     WHERE c.parent_run_id IS NOT NULL AND c.status IN ('pending', 'running', 'waiting')
+       AND c.cancel_requested_at IS NULL AND p.status IN ('failed', 'canceled')
+     LIMIT :n
+       FOR UPDATE OF c SKIP LOCKED
     """
 )
 
