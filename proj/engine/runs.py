@@ -155,6 +155,10 @@ def cancel(run_id: uuid.UUID, reason: str) -> None:
     dispatch.publish_after_commit(out)
 
 
+# How often `result()` re-reads the run without a notification (one lost with its session).
+RESULT_RECHECK_S = 5.0
+
+
 def result(run_id: uuid.UUID, timeout_s: float) -> Any:
     """Block until the run finishes or `timeout_s` passes: its result, or raise its error
     (`RunFailed`, `RunCanceled`, both with `last_error`) or `TimeoutError`.
@@ -185,7 +189,7 @@ def result(run_id: uuid.UUID, timeout_s: float) -> Any:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"run {run_id} is still {status} after {timeout_s}s")
-            for note in conn.notifies(timeout=min(left, 5.0)):
+            for note in conn.notifies(timeout=min(left, RESULT_RECHECK_S)):
                 if note.payload == wanted:
                     break
 
