@@ -49,12 +49,14 @@ def insert_run(
     version: int | None = None,
     deadline_at: datetime | None = None,
     parent_run_id: uuid.UUID | None = None,
+    inherited_deadline: datetime | None = None,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
     """Create the run and its first stage inside the caller's transaction (or find its twin).
 
     `deadline_at` (or the kind's `deadline_s`, counted from now) is when the run must be done:
     past it no step starts, and the run ends `failed` with `DeadlineExceeded`. A deadline that
-    has passed already is bad input. `parent_run_id`: the run whose child step enqueues this one.
+    has passed already is bad input; the run's deadline is the earliest of the two. `parent_run_id`:
+    the run whose child step enqueues this one, whose deadline (`inherited_deadline`) binds it too.
 
     `version` pins an older version (an old build still enqueuing during a rollout); by default
     a run starts on the newest version this process knows, and keeps it to the end.
@@ -94,6 +96,7 @@ def insert_run(
             carrier,
             deadline_at,
             parent_run_id,
+            inherited_deadline,
         )
         span.set_attribute("engine.created", ref.created)
         if not ref.created:
@@ -114,6 +117,7 @@ def _insert(
     trace: Mapping[str, Any] | None,
     deadline_at: datetime | None = None,
     parent_run_id: uuid.UUID | None = None,
+    inherited_deadline: datetime | None = None,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
     first = stage_rows(kind, 0, plan)
@@ -137,6 +141,7 @@ def _insert(
             "due": due_now,
             "parent": parent_run_id,
             "deadline": deadline_at,
+            "inherited": inherited_deadline,
             "deadline_s": kind.deadline_s,
         },
     ).all()

@@ -7,7 +7,8 @@ Everything is written at once or nothing is: a killed worker leaves either no ch
 and a parked step. The child's end (succeeded, failed, canceled) stores that signal and wakes
 the step in its own finishing transaction (`chain.notify_parent`); the step's next attempt finds
 the child finished and commits its result, or fails with the child's error under the parent's
-retry policy. A child that cannot be enqueued (an unknown kind, an input its model rejects)
+retry policy. A child inherits its parent's deadline (the earlier of it and its own kind's).
+A child that cannot be enqueued (an unknown kind, an input its model rejects)
 fails the step at once (`ChildRejected`), with nothing written.
 
 Statements: `proj.engine.store.children`, `proj.engine.store.stages` (`INSERT_RUN`),
@@ -58,6 +59,7 @@ def run_child(
                 idempotency_key=child_key(c),
                 priority=c.priority,
                 parent_run_id=c.run_id,
+                inherited_deadline=c.deadline_at,
             )
         except BadInput as exc:  # the transaction rolls back: nothing is half-written
             raise ChildRejected(f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}") from exc

@@ -10,8 +10,9 @@ under the run row lock (the fan-in is counted there), and finishing a run.
 | `CLAIM_NEXT` | run at stage n-1 | stage n's single step inserted running for this process |
 | `FINISH_RUN` | run live | succeeded, with its result (the one place a run succeeds in a transaction) |
 
-`INSERT_RUN` also records the run's parent (a child step's run) and its deadline (`deadline_at`,
-or `now() + deadline_s` of its kind, in the database's clock). `LOCK_RUN` says whether the
+`INSERT_RUN` also records the run's parent (a child step's run) and its deadline: the earliest of
+`deadline_at`, the parent's deadline (a child inherits it) and `now() + deadline_s` of its kind,
+in the database's clock (`least` ignores the ones not given). `LOCK_RUN` says whether the
 deadline has passed: then no next stage is created and the run ends (`chain.expire_run`).
 Every run that finishes notifies `engine_run_finished` (`store.children`).
 
@@ -34,8 +35,8 @@ INSERT_RUN = text(
                                      current_stage, current_step, parent_run_id, deadline_at)
         VALUES (:run, :kind, :version, :key, CAST(:input AS jsonb), :hash, :priority, :ckey,
                 coalesce(:at, now()), CAST(:trace AS jsonb), :stage, :label, :parent,
-                coalesce(CAST(:deadline AS timestamptz),
-                         now() + make_interval(secs => CAST(:deadline_s AS double precision))))
+                least(CAST(:deadline AS timestamptz), CAST(:inherited AS timestamptz),
+                      now() + make_interval(secs => CAST(:deadline_s AS double precision))))
         ON CONFLICT (kind, idempotency_key) DO NOTHING
         RETURNING id
     ), ins AS (
