@@ -95,6 +95,8 @@ def show(run_id: str, as_json: bool = typer.Option(False, "--json", help="the ra
     head.add_row("step", f"{view.current_step or '-'} (attempt {view.attempts})")
     if view.wait_topic:
         head.add_row("parked", f"{view.wait_topic} until {view.wait_until}")
+    if view.deadline_at:
+        head.add_row("deadline", str(view.deadline_at))
     if view.pending_reason:
         head.add_row("stuck?", f"[yellow]{view.pending_reason}[/yellow]")
     if view.last_error:

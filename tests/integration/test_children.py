@@ -302,6 +302,12 @@ def test_admin_run_page_and_proj_show_display_the_parent_child_tree(inproc) -> N
     assert "each[0] → cleaf@1" in out and "each[1] → cleaf@1" in out
     out = runner.invoke(cli_mod.cli, ["show", str(kids[1][0])], env={"COLUMNS": "250"}).output
     assert f"parent: cfan@1 {ref.task_run_id}" in out
+    timed = inproc.enqueue(
+        "parked", {}, idempotency_key=new_key(), deadline_at=datetime.now(UTC) + timedelta(hours=1)
+    )
+    out = runner.invoke(cli_mod.cli, ["show", str(timed.task_run_id)], env={"COLUMNS": "250"}).output
+    assert "deadline" in out
+    assert inproc.get(timed.task_run_id).deadline_at is not None
 
 
 def test_a_child_locked_during_the_cascade_is_canceled_by_the_sweeper(inproc) -> None:
