@@ -46,6 +46,28 @@ STATUS_STYLE = {
 }
 
 
+def _family_tree(view: Any, fam: Any) -> Any:
+    """The run's parent above it and its child runs below, each with its status (`proj show <id>`)."""
+    from rich.tree import Tree
+
+    def label(kind: str, version: int, rid: Any, status: str, step: str | None = None) -> str:
+        style = STATUS_STYLE.get(status, "white")
+        via = f"{step} → " if step else ""
+        return f"{via}{kind}@{version} {rid} [{style}]{status}[/{style}]"
+
+    me = f"[bold]{label(view.kind, view.version, view.id, view.status)}[/bold]"
+    if fam.parent is not None:
+        p = fam.parent
+        top = Tree(f"parent: {label(p.kind, p.version, p.id, p.status)}")
+        node = top.add(me)
+    else:
+        top = node = Tree(me)
+    at: dict[int, Any] = {0: node}
+    for c in fam.children:
+        at[c.depth] = at[c.depth - 1].add(label(c.kind, c.version, c.id, c.status, c.step))
+    return top
+
+
 @cli.command()
 def show(run_id: str, as_json: bool = typer.Option(False, "--json", help="the raw TaskRunView")) -> None:
     """Show one run: status, business timeline, steps and live progress."""
@@ -73,11 +95,15 @@ def show(run_id: str, as_json: bool = typer.Option(False, "--json", help="the ra
     head.add_row("step", f"{view.current_step or '-'} (attempt {view.attempts})")
     if view.wait_topic:
         head.add_row("parked", f"{view.wait_topic} until {view.wait_until}")
+    if view.deadline_at:
+        head.add_row("deadline", str(view.deadline_at))
     if view.pending_reason:
         head.add_row("stuck?", f"[yellow]{view.pending_reason}[/yellow]")
     if view.last_error:
         head.add_row("error", f"[red]{view.last_error.get('type')}: {view.last_error.get('message')}[/red]")
     console.print(head)
+    if d.family is not None and (d.family.parent is not None or d.family.children):
+        console.print(_family_tree(view, d.family))
     for p in d.progress:
         pct = f"{p['pct']:.1f}%" if p["pct"] is not None else "?"
         console.print(f"progress {p['step']}: {pct} {p['message'] or ''}")

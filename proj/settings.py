@@ -96,6 +96,10 @@ class Settings(BaseSettings):
         description="fault injection: SIGKILL only the process, or its whole process group (a worker)",
     )
     fault_chunk_delay_s: float = Field(default=0.0, ge=0, description="fault injection: slow copies")
+    fault_kill_after_child_enqueue: bool = Field(
+        default=False,
+        description="fault injection: SIGKILL self right after a child step committed a new child",
+    )
     fault_duplicate_publish: int = Field(
         default=1, ge=1, le=5, description="fault injection: send every step message N times"
     )

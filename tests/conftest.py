@@ -27,7 +27,8 @@ os.environ.setdefault("LEASE_TTL_S", "3")
 os.environ.setdefault("SWEEP_INTERVAL_S", "0.5")
 os.environ.setdefault("REPUBLISH_AFTER_S", "5")
 os.environ.setdefault(
-    "ENGINE_EXTRA_KINDS", "tests.kinds,tests.kinds_effects,tests.kinds_admin,tests.kinds_limits"
+    "ENGINE_EXTRA_KINDS",
+    "tests.kinds,tests.kinds_effects,tests.kinds_admin,tests.kinds_limits,tests.kinds_children",
 )
 os.environ.setdefault("DB_POOL_SIZE", "3")
 os.environ.setdefault("DB_MAX_OVERFLOW", "2")

@@ -18,6 +18,7 @@ from proj.admin.timeline import RunInfo, TimelineEvent, build_timeline, has_hook
 from proj.engine.models import RUN_STATUSES
 from proj.engine.status import ACTIVE
 from proj.engine.store import views as sql
+from proj.engine.store.children import Family, family
 
 PAGE = 50
 
@@ -91,6 +92,7 @@ class RunDetail:
     progress: list[dict[str, Any]] = field(default_factory=list)
     has_hook: bool = False
     pending_reason: str | None = None
+    family: Family | None = None
 
 
 def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
@@ -154,6 +156,7 @@ def run_detail(s: Session, run_id: uuid.UUID) -> RunDetail | None:
         progress=progress_of(s, run_id),
         has_hook=has_hook(info.kind),
         pending_reason=_pending_reason(run),
+        family=family(s, run_id),
     )
 
 

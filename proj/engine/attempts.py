@@ -36,6 +36,8 @@ class Claim:
     priority: int = 0
     concurrency_key: str | None = None
     trace: dict[str, Any] | None = None
+    parent_run_id: uuid.UUID | None = None
+    deadline_at: datetime | None = None
 
 
 @dataclass
@@ -67,4 +69,8 @@ def to_json(value: Any) -> str:
 def error_payload(exc: BaseException) -> dict[str, Any]:
     """A stored error: type, message and a short traceback for the dead-letter view."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:])
-    return {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tb[-4000:]}
+    out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tb[-4000:]}
+    details = getattr(exc, "details", None)  # e.g. a failed child's run id and error
+    if isinstance(details, dict):
+        out.update({k: v for k, v in details.items() if k not in out})
+    return out

@@ -36,6 +36,7 @@ class CeleryTaskEngine:
         idempotency_key: str,
         available_at: datetime | None = None,
         priority: int = 0,
+        deadline_at: datetime | None = None,
     ) -> TaskRunRef:
         return runs.enqueue(
             kind,
@@ -43,7 +44,11 @@ class CeleryTaskEngine:
             idempotency_key=idempotency_key,
             available_at=available_at,
             priority=priority,
+            deadline_at=deadline_at,
         )
+
+    def result(self, task_run_id: UUID, timeout_s: float) -> Any:
+        return runs.result(task_run_id, timeout_s)
 
     def signal(self, topic: str, payload: Any = None) -> int:
         return runs.signal(topic, payload)

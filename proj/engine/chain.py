@@ -11,7 +11,7 @@ import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -27,8 +27,10 @@ from proj.engine.kind import Kind, StepDef, get_kind
 from proj.engine.port import TaskRunRef
 from proj.engine.status import TERMINAL
 from proj.engine.store import cancels as cancels_sql
+from proj.engine.store import children as children_sql
 from proj.engine.store import commits as commits_sql
 from proj.engine.store import stages as sql
+from proj.engine.store import waits as waits_sql
 from proj.settings import get_settings
 
 # --------------------------------------------------------------------------------------------
@@ -45,8 +47,16 @@ def insert_run(
     priority: int = 0,
     trace: Mapping[str, Any] | None = None,
     version: int | None = None,
+    deadline_at: datetime | None = None,
+    parent_run_id: uuid.UUID | None = None,
+    inherited_deadline: datetime | None = None,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
     """Create the run and its first stage inside the caller's transaction (or find its twin).
+
+    `deadline_at` (or the kind's `deadline_s`, counted from now) is when the run must be done:
+    past it no step starts, and the run ends `failed` with `DeadlineExceeded`. A deadline that
+    has passed already is bad input; the run's deadline is the earliest of the two. `parent_run_id`:
+    the run whose child step enqueues this one, whose deadline (`inherited_deadline`) binds it too.
 
     `version` pins an older version (an old build still enqueuing during a rollout); by default
     a run starts on the newest version this process knows, and keeps it to the end.
@@ -61,6 +71,11 @@ def insert_run(
         raise InvalidInput(f"available_at must be a datetime or None, not {type(available_at).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) < priority < 2**31:
         raise InvalidInput(f"priority must be a 32-bit integer, not {priority!r}")
+    if deadline_at is not None:
+        if not isinstance(deadline_at, datetime) or deadline_at.tzinfo is None:
+            raise InvalidInput(f"deadline_at must be a timezone-aware datetime, not {deadline_at!r}")
+        if deadline_at <= datetime.now(UTC):
+            raise InvalidInput(f"deadline_at {deadline_at.isoformat()} is in the past")
     kind = get_kind(kind_name, version)
     stored, digest = canonical_input(kind, input)
     ckey = kind.concurrency_key(kind.input_model.model_validate(stored)) if kind.concurrency_key else None
@@ -69,7 +84,19 @@ def insert_run(
     run_id = uuid.uuid4()
     with tracing.enqueue_span(kind.name, kind.version, run_id, parent=trace) as (span, carrier):
         ref, out = _insert(
-            s, kind, stored, digest, idempotency_key, run_id, ckey, available_at, priority, carrier
+            s,
+            kind,
+            stored,
+            digest,
+            idempotency_key,
+            run_id,
+            ckey,
+            available_at,
+            priority,
+            carrier,
+            deadline_at,
+            parent_run_id,
+            inherited_deadline,
         )
         span.set_attribute("engine.created", ref.created)
         if not ref.created:
@@ -88,6 +115,9 @@ def _insert(
     available_at: datetime | None,
     priority: int,
     trace: Mapping[str, Any] | None,
+    deadline_at: datetime | None = None,
+    parent_run_id: uuid.UUID | None = None,
+    inherited_deadline: datetime | None = None,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
     first = stage_rows(kind, 0, plan)
@@ -109,6 +139,10 @@ def _insert(
             "label": kind.canvas[0].label,
             **first,
             "due": due_now,
+            "parent": parent_run_id,
+            "deadline": deadline_at,
+            "inherited": inherited_deadline,
+            "deadline_s": kind.deadline_s,
         },
     ).all()
     if not inserted:
@@ -127,8 +161,7 @@ def _insert(
         )
         if has_steps:
             return ref, out
-    finish_run(s, run_id, kind, None)  # every stage was an empty fan-out
-    return ref, []
+    return ref, finish_run(s, run_id, kind, None)  # every stage was an empty fan-out
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,25 +192,62 @@ def advance(
         return finalize_cancel(s, run_id)
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)
     stage = run.current_stage + 1
+    if stage < len(kind.canvas) and run.past_deadline:  # no further step starts
+        return expire_run(s, run_id)
     while stage < len(kind.canvas):
         has_steps, created = create_stage(s, run_id, kind, stage, plan, priority=run.priority, carry=carry)
         if has_steps:
             return created
         stage += 1  # an empty fan-out: nothing to wait for
     last = kind.canvas[-1]
-    finish_run(s, run_id, kind, plan.result(last.steps[-1].name) if len(last.steps) == 1 else None)
-    return []
+    return finish_run(s, run_id, kind, plan.result(last.steps[-1].name) if len(last.steps) == 1 else None)
 
 
-def finish_run(s: Session, run_id: uuid.UUID, kind: Kind, result: Any) -> None:
+def finish_run(s: Session, run_id: uuid.UUID, kind: Kind, result: Any) -> list[Dispatch]:
     """The run succeeded with `result` (the last stage's single step's, or None); its span goes
     out after commit. The one-statement commit (`commit_alone`) is the only other way a run
-    succeeds, and writes the same columns."""
+    succeeds, and writes the same columns (for a run without a parent). A child run wakes its
+    parent's parked step here: the messages are returned."""
     run = s.execute(
         sql.FINISH_RUN, {"result": to_json(result), "end_stage": len(kind.canvas), "id": run_id}
     ).first()
-    if run is not None:
-        tracing.run_finished(s, run, "succeeded", run.finished_at)
+    if run is None:
+        return []
+    tracing.run_finished(s, run, "succeeded", run.finished_at)
+    return notify_parent(s, run_id, run.parent_run_id, "succeeded")
+
+
+def notify_parent(
+    s: Session, run_id: uuid.UUID, parent_run_id: uuid.UUID | None, status: str
+) -> list[Dispatch]:
+    """A child run finished: store `run-finished:<id>` and wake the parent step parked on it, in
+    the finishing transaction (under the topic lock, as `runs.signal` does, so a park racing it
+    sees the child finished). Runs without a parent store nothing."""
+    if parent_run_id is None:
+        return []
+    topic = children_sql.finished_topic(run_id)
+    s.execute(waits_sql.LOCK_TOPIC, {"topic": topic})
+    payload = json.dumps({"run_id": str(run_id), "status": status})
+    s.execute(waits_sql.STORE_SIGNAL, {"topic": topic, "payload": payload})
+    return [
+        dispatch.step_dispatch(w.id, w.kind, w.version, w.name, w.priority)
+        for w in waits_sql.wake_topic(s, topic)
+    ]
+
+
+def expire_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any] | None = None) -> list[Dispatch]:
+    """The run passed its deadline: `failed` with `DeadlineExceeded`, its open steps canceled
+    (a running one's commit is refused), its unfinished children canceled, its parent woken and
+    its compensation enqueued, in the caller's transaction."""
+    error = dict(err) if err else {"type": "DeadlineExceeded", "message": f"run {run_id} passed its deadline"}
+    run = s.execute(children_sql.EXPIRE_RUN, {"err": json.dumps(error), "run": run_id}).first()
+    if run is None:
+        return []
+    s.execute(cancels_sql.CANCEL_OPEN_STEPS, {"id": run_id})
+    tracing.run_finished(s, run, "failed", run.finished_at)
+    out = cancel_children(s, run_id, f"parent run {run_id} passed its deadline")
+    out += notify_parent(s, run_id, run.parent_run_id, "failed")
+    return out + enqueue_compensation(s, run)
 
 
 def create_stage(
@@ -288,6 +358,8 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
     here = kind.canvas[c.stage]
     if not here.single:
         return None
+    if c.parent_run_id is not None and c.stage + 1 == len(kind.canvas):
+        return None  # a child run's end wakes its parent: the general path (`finish_run`)
     params: dict[str, Any] = {"id": c.step_id, "tok": c.token, "stage": c.stage, "result": payload}
     following = c.stage + 1
     if following == len(kind.canvas):
@@ -314,17 +386,48 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
 # the end of a canceled run (invariant 8)
 
 
+def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
+    """Business first: the kind's cancel hook and the request, then stop the run if no step
+    runs (`finalize_cancel`, which cascades to the run's children). KeyError: no such run."""
+    run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
+    if run is None:
+        raise KeyError(f"no run {run_id}")
+    if run.status in TERMINAL:
+        return []
+    kind = get_kind(run.kind, run.version)
+    if kind.on_cancel is not None:
+        kind.on_cancel(s, run.id, kind.input_model.model_validate(run.input))
+    s.execute(cancels_sql.REQUEST_CANCEL, {"reason": reason[:2000], "id": run_id})
+    return finalize_cancel(s, run_id)
+
+
+def cancel_children(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
+    """Cancel every unfinished child of the run not asked to stop yet (and theirs, in turn)."""
+    out: list[Dispatch] = []
+    for child_id in s.scalars(children_sql.LIVE_CHILDREN, {"id": run_id}).all():
+        out += request_cancel(s, child_id, reason)
+    return out
+
+
 def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
-    """Mark a cancel-requested run `canceled` once no step runs; enqueue its compensation."""
+    """Mark a cancel-requested run `canceled` once no step runs; enqueue its compensation.
+
+    Its unfinished children are asked to cancel at once (business first, each with its own
+    compensation); a canceled child wakes its parent's step, which then fails."""
     run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
     if run is None or run.status in TERMINAL:
         return []
+    reason = f"parent run {run_id} canceled: {run.cancel_reason or ''}".strip()
+    out = cancel_children(s, run_id, reason)
     if s.scalar(cancels_sql.LIVE_LEASES, {"id": run_id}):
-        return []
+        return out
     s.execute(cancels_sql.CANCEL_OPEN_STEPS, {"id": run_id})
-    finished_at = s.scalar(cancels_sql.CANCEL_RUN, {"id": run_id})
-    tracing.run_finished(s, run, "canceled", finished_at)
-    return enqueue_compensation(s, run)
+    ended = s.execute(cancels_sql.CANCEL_RUN, {"id": run_id}).first()
+    if ended is None:
+        return out
+    tracing.run_finished(s, run, "canceled", ended.finished_at)
+    out += notify_parent(s, run_id, ended.parent_run_id, "canceled")
+    return out + enqueue_compensation(s, run)
 
 
 def enqueue_compensation(s: Session, run: Any) -> list[Dispatch]:

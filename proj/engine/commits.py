@@ -67,8 +67,7 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[s
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
         close_attempt(s, c, Outcome.FAILED if final else Outcome.RETRY, err)
         if final:
-            fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
-            return Outcome.FAILED, []
+            return Outcome.FAILED, fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
         s.execute(
             sql.RECORD_RETRY_ERROR,
             {"err": json.dumps({**err, "step": c.name, "attempts": c.attempt}), "run": c.run_id},
@@ -104,8 +103,27 @@ def close_attempt(s: Session, c: Claim, outcome: Outcome, err: dict[str, Any] | 
     )
 
 
-def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> None:
-    """The run becomes a dead letter: `failed` with its error; pending siblings stop."""
+def commit_deadline(c: Claim, exc: BaseException) -> tuple[str, list[Dispatch]]:
+    """The body stopped at a checkpoint past the run's deadline: the step fails and the run
+    ends `failed` with `DeadlineExceeded`, with its compensation (`chain.expire_run`)."""
+    err = error_payload(exc)
+    with db.transaction() as s:
+        row = s.execute(
+            sql.FAIL_OR_RETRY,
+            {"final": True, "delay": 0.0, "err": json.dumps(err), "id": c.step_id, "tok": c.token},
+        ).first()
+        if row is None:
+            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, deadline not recorded")
+        close_attempt(s, c, Outcome.FAILED, err)
+        return Outcome.FAILED, chain.expire_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+
+
+def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> list[Dispatch]:
+    """The run becomes a dead letter: `failed` with its error; pending siblings stop, its
+    unfinished children are canceled and its parent's child step is woken (the messages)."""
     run = s.execute(sql.FAIL_RUN, {"err": json.dumps(err), "run": run_id}).first()
-    if run is not None:
-        tracing.run_finished(s, run, "failed", run.finished_at)
+    if run is None:
+        return []
+    tracing.run_finished(s, run, "failed", run.finished_at)
+    out = chain.cancel_children(s, run_id, f"parent run {run_id} failed")
+    return out + chain.notify_parent(s, run_id, run.parent_run_id, "failed")

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from proj import db
-from proj.engine.errors import CancelRequested, LeaseLost
+from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
 from proj.engine.heartbeat import Lease
 from proj.engine.kind import Kind
 from proj.engine.store import leases as sql
@@ -77,6 +77,7 @@ class StepContext(PlanContext):
     finished: list[Any] | None = None
     _cancel_checked_at: float = field(default=0.0)
     _cancel_cached: bool = False
+    _late_cached: bool = False
 
     @property
     def token(self) -> uuid.UUID:
@@ -88,23 +89,38 @@ class StepContext(PlanContext):
         """True once the heartbeat saw another attempt take the lease: stop, do not commit."""
         return self.lease is not None and self.lease.lost.is_set()
 
-    def cancel_requested(self) -> bool:
-        """True when the run was asked to stop. Cheap enough to call per chunk."""
-        if self._cancel_cached or (self.lease is not None and self.lease.cancel.is_set()):
-            return True
+    def _read_stop_reasons(self) -> None:
+        """Whether a cancel was asked and whether the deadline passed, read at most every 0.2 s."""
         now = time.monotonic()
         if now - self._cancel_checked_at >= 0.2:
             self._cancel_checked_at = now
             with db.transaction() as s:
-                self._cancel_cached = bool(s.scalar(sql.CANCEL_REQUESTED, {"id": self.run_id}))
+                row = s.execute(sql.STOP_REASONS, {"id": self.run_id}).first()
+            if row is not None:
+                self._cancel_cached = self._cancel_cached or bool(row.cancel)
+                self._late_cached = self._late_cached or bool(row.late)
+
+    def cancel_requested(self) -> bool:
+        """True when the run was asked to stop. Cheap enough to call per chunk."""
+        if self._cancel_cached or (self.lease is not None and self.lease.cancel.is_set()):
+            return True
+        self._read_stop_reasons()
         return self._cancel_cached
 
+    def deadline_passed(self) -> bool:
+        """True once the run's deadline has passed (the database's clock)."""
+        if not self._late_cached:
+            self._read_stop_reasons()
+        return self._late_cached
+
     def checkpoint(self) -> None:
-        """Raise `LeaseLost` or `CancelRequested` if the body should stop now."""
+        """Raise `LeaseLost`, `CancelRequested` or `DeadlineExceeded` if the body should stop now."""
         if self.lease_lost:
             raise LeaseLost(f"step {self.step_id} lost its lease")
         if self.cancel_requested():
             raise CancelRequested(f"run {self.run_id} was canceled")
+        if self.deadline_passed():
+            raise DeadlineExceeded(f"run {self.run_id} passed its deadline")
 
     def fence(self, session: Session) -> None:
         """Inside `session`'s transaction: lock this attempt's step row while it still holds the

@@ -70,3 +70,48 @@ class EngineNotWired(EngineError):
 
 class PoolerUnsafe(EngineError):
     """DATABASE_URL goes through a connection pooler in a mode the configuration does not allow for."""
+
+
+class DeadlineExceeded(NonRetryable):
+    """The run passed its `deadline_at`: no further step starts and the run ends `failed`.
+
+    Raised by `StepContext.checkpoint()` in a running step; the sweeper ends a run that is
+    parked or between steps with the same error."""
+
+
+class ChildRejected(NonRetryable):
+    """A child step could not enqueue its child: an unknown kind or an input its model rejects.
+    Nothing was written (the child step's transaction rolled back); retrying cannot help."""
+
+
+class ChildFailed(EngineError):
+    """The child run a child step waited for ended `failed` or `canceled`: the step fails with
+    the child's error, under the parent's retry policy."""
+
+    def __init__(self, child_run_id: object, kind: str, status: str, error: object) -> None:
+        err = error if isinstance(error, dict) else {}
+        what = f"{err.get('type', 'error')}: {err.get('message', '')}" if err else "no error recorded"
+        verb = "was canceled" if status == "canceled" else "failed"
+        super().__init__(f"child run {child_run_id} ({kind}) {verb}: {what}")
+        self.child_run_id = child_run_id
+        self.details = {"child_run_id": str(child_run_id), "child_status": status, "child_error": error}
+
+
+class RunFailed(EngineError):
+    """`TaskEngine.result()`: the run ended `failed`; `last_error` is its stored error."""
+
+    def __init__(self, run_id: object, last_error: object) -> None:
+        err = last_error if isinstance(last_error, dict) else {}
+        super().__init__(f"run {run_id} failed: {err.get('type', '?')}: {err.get('message', '')}")
+        self.run_id = run_id
+        self.last_error = last_error
+
+
+class RunCanceled(EngineError):
+    """`TaskEngine.result()`: the run ended `canceled` (`reason` as given to `cancel`)."""
+
+    def __init__(self, run_id: object, reason: object, last_error: object = None) -> None:
+        super().__init__(f"run {run_id} was canceled: {reason}")
+        self.run_id = run_id
+        self.reason = reason
+        self.last_error = last_error

@@ -70,6 +70,17 @@ class WaitSpec:
 
 
 @dataclass(frozen=True)
+class ChildSpec:
+    """A child run: `kind` enqueued with `input(ctx)`, idempotently (the key is derived from the
+    parent run, the step and its item index); the step parks until the child finishes and its
+    result is the child's. `timeout_s` only re-checks the child now and then (a lost wake-up)."""
+
+    kind: str
+    input: Callable[[StepContext], Mapping[str, Any]]
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class StepDef:
     """One named step. `retry` overrides the kind's policy for this step."""
 
@@ -77,6 +88,7 @@ class StepDef:
     fn: StepFn | None
     retry: RetryPolicy | None = None
     wait: WaitSpec | None = None
+    child: ChildSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ def group(*stages: Stage) -> Stage:
     """Run several single steps in parallel; the chain continues when all have committed."""
     steps: list[StepDef] = []
     for s in stages:
-        if not s.single or s.steps[0].wait is not None:
+        if not s.single or s.steps[0].wait is not None or s.steps[0].child is not None:
             raise ValueError("group() takes single steps")
         steps.append(s.steps[0])
     return Stage(steps=tuple(steps))
@@ -146,6 +158,27 @@ def sleep_until(name: str, *, until: Callable[[PlanContext], datetime]) -> Stage
     return Stage(steps=(StepDef(name, None, None, spec),))
 
 
+def child(
+    name: str,
+    *,
+    kind: str,
+    input: Callable[[StepContext], Mapping[str, Any]],
+    over: Callable[[PlanContext], Sequence[Any]] | None = None,
+    retry: RetryPolicy | None = None,
+    recheck_s: float = 300.0,
+) -> Stage:
+    """Start a child run of `kind` and wait for it without holding a worker slot.
+
+    The child is enqueued once per step (and item, with `over`: one child per item, the fan-in
+    counted in Postgres): a retried or re-delivered step finds the same child. The step's
+    result is the child's result; a failed or canceled child fails the step with the child's
+    error, under this step's retry policy. `input(ctx)` sees the run's input, earlier results
+    and, under `over`, `ctx.item`.
+    """
+    spec = ChildSpec(kind=kind, input=input, timeout_s=recheck_s)
+    return Stage(steps=(StepDef(name, None, retry, None, spec),), over=over)
+
+
 def queue_name(kind: str, version: int) -> str:
     """The queue of one kind version: only workers serving it consume it (invariant 10)."""
     return f"{kind}.v{version}"
@@ -175,11 +208,14 @@ class Kind:
     concurrency_limit: int | None = None
     global_limit: int | None = None
     description: str = ""
+    deadline_s: float | None = None
     _by_name: dict[str, StepDef] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.canvas:
             raise ValueError(f"kind {self.name} has no steps")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"kind {self.name}: deadline_s must be positive")
         for stage in self.canvas:
             for s in stage.steps:
                 if s.name in self._by_name:

@@ -85,6 +85,19 @@ class TaskRun(Base):
             "status",
             postgresql_where=text("status IN ('pending', 'running', 'waiting', 'failed')"),
         ),
+        Index("task_run_parent_idx", "parent_run_id", postgresql_where=text("parent_run_id IS NOT NULL")),
+        Index(
+            "task_run_live_child_idx",
+            "parent_run_id",
+            postgresql_where=text(
+                "parent_run_id IS NOT NULL AND status IN ('pending', 'running', 'waiting')"
+            ),
+        ),
+        Index(
+            "task_run_deadline_idx",
+            "deadline_at",
+            postgresql_where=text("deadline_at IS NOT NULL AND status IN ('pending', 'running', 'waiting')"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
@@ -108,6 +121,9 @@ class TaskRun(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # children and deadlines (0009)
+    parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Step(Base):

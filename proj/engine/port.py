@@ -41,6 +41,8 @@ class TaskRunView:
     wait_topic: str | None = None
     wait_until: datetime | None = None
     pending_reason: str | None = None
+    parent_run_id: UUID | None = None
+    deadline_at: datetime | None = None
 
 
 class TaskEngine(Protocol):
@@ -54,7 +56,14 @@ class TaskEngine(Protocol):
         idempotency_key: str,
         available_at: datetime | None = None,
         priority: int = 0,
+        deadline_at: datetime | None = None,
     ) -> TaskRunRef: ...
+
+    def result(self, task_run_id: UUID, timeout_s: float) -> Any:
+        """Block until the run finishes (woken at its commit, not by polling) or `timeout_s`
+        passes: its result, or raise `RunFailed`/`RunCanceled` (with `last_error`) or
+        `TimeoutError`."""
+        ...
 
     def signal(self, topic: str, payload: Any = None) -> int: ...
 

@@ -10,10 +10,12 @@ Every delivery of a step message goes through `execute()`, as a Celery task goes
    priority order: a delivery of its start step claims the pending run of higher priority, if
    any, instead of its own (`store.claims.CLAIM_START`).
 2. **heartbeat**: the process heartbeat renews the lease while the body runs.
-3. **body** (`_attempt`): the kind's function, or a wait check (`waiting`), with a `StepContext`.
+3. **body** (`_attempt`): the kind's function, a wait check (`waiting`) or a child run
+   (`children`: enqueue it and park until it finishes), with a `StepContext`.
 4. **commit decision** (`commits`), fenced by the lease token: `succeeded` (the result, and the
    run advanced in the same transaction by `chain`), `retry` or `failed` (the retry policy),
-   `canceled` (the body stopped on a cancel request), `waiting`/`rechecking` (parked), or
+   `canceled` (the body stopped on a cancel request), `failed` with `DeadlineExceeded` (the
+   body stopped past the run's deadline), `waiting`/`rechecking` (parked), or
    `lease_lost` (another attempt took over: nothing is written).
 5. **publish**: messages for new steps go out after commit; a failure leaves `published_at`
    NULL so the sweeper sends them (messages are hints, Postgres is the truth). A limited step
@@ -36,10 +38,17 @@ from proj import db, logs
 from proj.engine import dispatch, tracing
 from proj.engine.admission import admit, any_limits, deny, handoff, limit_gates, slot_of
 from proj.engine.attempts import Carry, Claim, worker_id
-from proj.engine.commits import commit_canceled, commit_failure, commit_or_refuse, commit_success
+from proj.engine.children import run_child
+from proj.engine.commits import (
+    commit_canceled,
+    commit_deadline,
+    commit_failure,
+    commit_or_refuse,
+    commit_success,
+)
 from proj.engine.context import StepContext
 from proj.engine.dispatch import Dispatch
-from proj.engine.errors import CancelRequested, LeaseLost
+from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
 from proj.engine.heartbeat import HEARTBEAT
 from proj.engine.kind import Kind, get_kind
 from proj.engine.status import Outcome
@@ -116,6 +125,8 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
         priority=row.priority,
         concurrency_key=row.concurrency_key,
         trace=row.trace,
+        parent_run_id=row.parent_run_id,
+        deadline_at=row.deadline_at,
     ), kicks
 
 
@@ -224,6 +235,8 @@ def _attempt(
         try:
             if sdef.wait is not None:
                 outcome, to_publish = run_wait(c, ctx, kind, sdef.wait, carry)
+            elif sdef.child is not None:
+                outcome, to_publish = run_child(c, ctx, kind, sdef.child, carry)
             else:
                 assert sdef.fn is not None
                 ctx.commit_hook = lambda session, result: commit_success(c, kind, result, session, carry)
@@ -238,6 +251,9 @@ def _attempt(
             outcome, error = Outcome.LEASE_LOST, exc
         except CancelRequested:
             outcome, to_publish = commit_or_refuse(commit_canceled, c)
+        except DeadlineExceeded as exc:
+            outcome, to_publish = commit_or_refuse(commit_deadline, c, exc)
+            error = exc
         except Exception as exc:
             policy = kind.policy_for(sdef)
             outcome, to_publish = commit_or_refuse(commit_failure, c, policy, exc)

@@ -7,16 +7,19 @@ by the execute ladder (`proj.engine.protocol`). Statements: `proj.engine.store`.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+import psycopg
+
 from proj import db
 from proj.engine import dispatch
-from proj.engine.chain import finalize_cancel, insert_run
+from proj.engine.chain import finalize_cancel, insert_run, request_cancel
 from proj.engine.dispatch import Dispatch, step_dispatch
-from proj.engine.errors import PayloadTooLarge
+from proj.engine.errors import InvalidInput, PayloadTooLarge, RunCanceled, RunFailed
 from proj.engine.inputs import (
     MAX_KEY_LEN,
     MAX_TOPIC_LEN,
@@ -28,14 +31,14 @@ from proj.engine.inputs import (
     to_json_text,
     unstorable,
 )
-from proj.engine.kind import get_kind
 from proj.engine.port import TaskRunRef, TaskRunView
-from proj.engine.status import TERMINAL, RunStatus
+from proj.engine.status import RunStatus
 from proj.engine.store import cancels as cancels_sql
+from proj.engine.store import children as children_sql
 from proj.engine.store import runs as store_runs
 from proj.engine.store import waits
 from proj.engine.store.waits import Woken
-from proj.settings import get_settings
+from proj.settings import get_settings, libpq_url
 
 
 def enqueue(
@@ -47,6 +50,7 @@ def enqueue(
     priority: int = 0,
     trace: Mapping[str, Any] | None = None,
     version: int | None = None,
+    deadline_at: datetime | None = None,
 ) -> TaskRunRef:
     """Idempotent forever: the same `(kind, key)` always names the same run."""
     with db.transaction() as s:
@@ -59,6 +63,7 @@ def enqueue(
             priority=priority,
             trace=trace,
             version=version,
+            deadline_at=deadline_at,
         )
     dispatch.publish_after_commit(out)
     return ref
@@ -87,6 +92,8 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         wait_topic=row.wait_topic if row.status == "waiting" else None,
         wait_until=row.wait_until if row.status == "waiting" else None,
         pending_reason=_pending_reason(row),
+        parent_run_id=row.parent_run_id,
+        deadline_at=row.deadline_at,
     )
 
 
@@ -139,21 +146,60 @@ def cancel(run_id: uuid.UUID, reason: str) -> None:
     """Business first: record the request (and the kind's business hook), then stop the run.
 
     A running step is not killed; it sees `cancel_requested()` and stops itself, and the run is
-    finalised when it does (or when its lease expires).
+    finalised when it does (or when its lease expires). Its unfinished child runs are canceled
+    too (`chain.finalize_cancel`).
     """
     check_reason(reason)
     with db.transaction() as s:
-        run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
-        if run is None:
-            raise KeyError(f"no run {run_id}")
-        if run.status in TERMINAL:
-            return
-        kind = get_kind(run.kind, run.version)
-        if kind.on_cancel is not None:
-            kind.on_cancel(s, run.id, kind.input_model.model_validate(run.input))
-        s.execute(cancels_sql.REQUEST_CANCEL, {"reason": reason[:2000], "id": run_id})
-        out = finalize_cancel(s, run_id)
+        out = request_cancel(s, run_id, reason)
     dispatch.publish_after_commit(out)
+
+
+# How often `result()` re-reads the run without a notification (one lost with its session).
+RESULT_RECHECK_S = 5.0
+
+
+def result(run_id: uuid.UUID, timeout_s: float) -> Any:
+    """Block until the run finishes or `timeout_s` passes: its result, or raise its error
+    (`RunFailed`, `RunCanceled`, both with `last_error`) or `TimeoutError`.
+
+    The waiter LISTENs on `engine_run_finished` on a connection of its own (outside the pool;
+    one per waiting caller), which every statement that finishes a run notifies at commit; the
+    stored state is read after LISTEN (nothing finished before it is missed) and on each
+    notification for this run, and every few seconds in case a notification is lost (the
+    listening session was cut). KeyError: no such run.
+    """
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s < 0:
+        raise InvalidInput(f"timeout_s must be a non-negative number, not {timeout_s!r}")
+    deadline = time.monotonic() + float(timeout_s)
+    wanted = str(run_id)
+    with psycopg.connect(_conninfo(), autocommit=True, application_name="proj-result") as conn:
+        conn.execute(children_sql.LISTEN)
+        while True:
+            row = conn.execute(children_sql.RUN_OUTCOME, {"id": run_id}).fetchone()
+            if row is None:
+                raise KeyError(f"no run {run_id}")
+            status, value, last_error, reason = row
+            if status == RunStatus.SUCCEEDED:
+                return value
+            if status == RunStatus.FAILED:
+                raise RunFailed(run_id, last_error)
+            if status == RunStatus.CANCELED:
+                raise RunCanceled(run_id, reason, last_error)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"run {run_id} is still {status} after {timeout_s}s")
+            for note in conn.notifies(timeout=min(left, RESULT_RECHECK_S)):
+                if note.payload == wanted:
+                    break
+
+
+def _conninfo() -> str:
+    """Where `result()` LISTENs: a session of its own, so the direct `LIVENESS_DATABASE_URL` when
+    one is set (LISTEN does not survive a transaction pooler), else DATABASE_URL, in libpq's
+    form (multi-host lists included)."""
+    s = get_settings()
+    return libpq_url(s.liveness_database_url or s.require_database_url())
 
 
 def retry_failed(run_id: uuid.UUID) -> int:
@@ -191,6 +237,7 @@ __all__ = [
     "find",
     "get",
     "insert_run",
+    "result",
     "retry_failed",
     "signal",
     "to_json_text",

@@ -5,6 +5,9 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
   the run when their attempts are spent — recovery within `lease_ttl + sweep interval`;
 - parked steps whose timer is due are woken for a re-check;
 - cancel-requested runs with no live step are finalised;
+- live children of a failed or canceled parent that its cascade skipped are canceled;
+- live runs past their deadline with no live step end `failed` (`DeadlineExceeded`), with
+  their compensation: a deadline wakes a parked run at once;
 - a limited kind's slot freed by an expired lease goes to the head of its line (`handoff`);
 - pending, due steps that were never published (broker down) or whose message seems lost
   (`republish_after_s`) are published, highest priority first; steps refused a slot are
@@ -23,13 +26,14 @@ from sqlalchemy.orm import Session
 from proj import db
 from proj.engine import dispatch
 from proj.engine.admission import handoff
-from proj.engine.chain import finalize_cancel
+from proj.engine.chain import expire_run, finalize_cancel, request_cancel
 from proj.engine.commits import fail_run
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
 from proj.engine.kind import get_kind
 from proj.engine.liveness import on_dead_owners
 from proj.engine.runs import woken_dispatches
+from proj.engine.store import children as children_sql
 from proj.engine.store import recovery as sql
 from proj.engine.store import stats, waits
 from proj.engine.store.recovery import SWEEP_LOCK
@@ -50,6 +54,7 @@ class SweepReport:
     woken: int = 0
     cancel_checked: int = 0
     published: int = 0
+    expired_runs: int = 0
 
 
 def sweep(*, wait: bool = False) -> SweepReport:
@@ -70,11 +75,12 @@ def sweep(*, wait: bool = False) -> SweepReport:
         report.expired = len(expired)
         if expired:  # `proj_lease_recoveries_total`, counted where the lease is taken back
             s.execute(stats.COUNT_LEASE_RECOVERIES, {"n": len(expired)})
+        to_publish: list[Dispatch] = []
         for row in expired:
             if row.status == "failed":
                 report.failed += 1
-                fail_run(s, row.run_id, {**row.error, "step": row.name, "attempts": row.attempts})
-        to_publish: list[Dispatch] = []
+                err = {**row.error, "step": row.name, "attempts": row.attempts}
+                to_publish.extend(fail_run(s, row.run_id, err))
         for kind_name, version, key in _slots(s, [row.run_id for row in expired]):
             try:
                 kind = get_kind(kind_name, version)
@@ -88,12 +94,18 @@ def sweep(*, wait: bool = False) -> SweepReport:
         for run_id in cancels:
             to_publish.extend(finalize_cancel(s, run_id))
         report.cancel_checked = len(cancels)
+        for run_id in s.scalars(children_sql.ORPHANED_CHILDREN, {"n": BATCH}).all():
+            to_publish.extend(request_cancel(s, run_id, "its parent run ended"))
+        late = s.scalars(children_sql.PAST_DEADLINE, {"n": BATCH}).all()
+        for run_id in late:  # parked or between steps past the deadline: the run ends now
+            to_publish.extend(expire_run(s, run_id))
+        report.expired_runs = len(late)
         due = s.execute(sql.PUBLISH_DUE, {"again": settings.republish_after_s, "n": BATCH}).all()
         due = sorted(due, key=lambda r: (-r.priority, r.next_attempt_at))  # RETURNING has no order
         to_publish.extend(step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in due)
         report.published = len(due)
     dispatch.publish_after_commit(to_publish)
-    if report.expired or report.woken or report.published or report.failed:
+    if report.expired or report.woken or report.published or report.failed or report.expired_runs:
         log.info("sweep: %s", json.dumps(report.__dict__))
     return report
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from sqlalchemy.orm import Session
+
 from proj import db
 from proj.engine import dispatch
 from proj.engine.attempts import Carry, Claim
@@ -60,22 +62,38 @@ def park(
     with db.transaction() as s:
         s.execute(sql.LOCK_TOPIC, {"topic": topic})
         raced = bool(s.scalar(sql.SIGNAL_SINCE, {"topic": topic, "since": c.claimed_at}))
-        row = s.execute(
-            sql.PARK,
-            {
-                "raced": raced,
-                "topic": topic,
-                "since": c.claimed_at,
-                "until": until,
-                "timeout": timeout_s or 0.0,
-                "id": c.step_id,
-                "tok": c.token,
-            },
-        ).first()
-        if row is None:
-            raise LeaseLost(f"step {c.step_id}: lease lost while parking")
-        close_attempt(s, c, Outcome.PARKED)
-        if raced:
+        if park_in(s, c, topic, raced=raced, timeout_s=timeout_s, until=until):
             return Outcome.RECHECKING, [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
-        s.execute(sql.RUN_WAITING, {"run": c.run_id})
     return Outcome.WAITING, []
+
+
+def park_in(
+    s: Session,
+    c: Claim,
+    topic: str,
+    *,
+    raced: bool = False,
+    timeout_s: float | None = None,
+    until: datetime | None = None,
+) -> bool:
+    """Park the step in the caller's transaction (which holds the topic's lock); True when a
+    raced signal sends it straight back to work instead (the caller publishes it)."""
+    row = s.execute(
+        sql.PARK,
+        {
+            "raced": raced,
+            "topic": topic,
+            "since": c.claimed_at,
+            "until": until,
+            "timeout": timeout_s or 0.0,
+            "id": c.step_id,
+            "tok": c.token,
+        },
+    ).first()
+    if row is None:
+        raise LeaseLost(f"step {c.step_id}: lease lost while parking")
+    close_attempt(s, c, Outcome.PARKED)
+    if raced:
+        return True
+    s.execute(sql.RUN_WAITING, {"run": c.run_id})
+    return False

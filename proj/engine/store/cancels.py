@@ -25,7 +25,7 @@ from sqlalchemy import text
 
 LOCK_RUN_TO_CANCEL = text(
     """
-    SELECT id, kind, version, input, status, cancel_reason, trace, created_at
+    SELECT id, kind, version, input, status, cancel_reason, trace, created_at, parent_run_id
       FROM engine.task_run WHERE id = :id
        FOR UPDATE
     """
@@ -56,7 +56,7 @@ CANCEL_RUN = text(
     """
     UPDATE engine.task_run SET status = 'canceled', finished_at = now(), updated_at = now()
      WHERE id = :id AND status IN ('pending', 'running', 'waiting')
-    RETURNING finished_at
+    RETURNING finished_at, parent_run_id, pg_notify('engine_run_finished', id::text)::text AS notified
     """
 )
 

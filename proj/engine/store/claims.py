@@ -1,11 +1,12 @@
 """Claiming a step: the lease is taken, the run marked started and the attempt record opened in
 one statement (lock order: the step row, then the run row).
 
-Guard of every claim: the step is `pending` and due, its run is live and nobody asked to cancel
-it. No row back: a duplicate message, a finished step, a canceled run: the delivery is a no-op
-(invariant 1). `(… ) IS TRUE` around the step's state keeps the planner on the primary key: a
-plain `status = 'pending'` lets it pick the partial `step_due_idx` and filter it by id, which
-statistics taken before a backlog built up make look cheap, and which is O(backlog) per claim
+Guard of every claim: the step is `pending` and due, its run is live, nobody asked to cancel
+it and its deadline (if any) has not passed. No row back: a duplicate message, a finished
+step, a canceled run: the delivery is a no-op (invariant 1). `(… ) IS TRUE` around the step's
+state keeps the planner on the primary key: a plain `status = 'pending'` lets it pick the
+partial `step_due_idx` and filter it by id, which statistics taken before a backlog built up
+make look cheap, and which is O(backlog) per claim
 (`tests/integration/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
 
 | statement | from | to |
@@ -31,9 +32,10 @@ CLAIM = text(
          WHERE s.id = :id AND r.id = s.run_id
            AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
            AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+           AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
-               now() AS claimed_at
+               r.parent_run_id, r.deadline_at, now() AS claimed_at
     ), started AS (
         UPDATE engine.task_run t
            SET status = 'running', current_step = c.name, updated_at = now(),
@@ -88,9 +90,10 @@ CLAIM_START = text(
          WHERE s.id = coalesce((SELECT id FROM better), :id) AND r.id = s.run_id
            AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
            AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+           AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
-               now() AS claimed_at
+               r.parent_run_id, r.deadline_at, now() AS claimed_at
     ), started AS (
         UPDATE engine.task_run t
            SET status = 'running', current_step = c.name, updated_at = now(),

@@ -18,6 +18,9 @@ written (`tests/faults/test_engine_faults.py`, `tests/integration/test_inline.py
 The two one-statement commits (`SUCCEED_AND_*`) are a linear chain's fast path in autocommit:
 they write only when the run is where a plain advance expects it (its stage, no cancel asked,
 live); otherwise nothing is written and the general path (`SUCCEED_AND_LOCK_RUN`) sorts it out.
+`SUCCEED_AND_CLAIM_NEXT` claims no step past the run's deadline; `SUCCEED_AND_FINISH` leaves a
+run with a parent to the general path, which stores the parent's wake-up signal
+(`chain.notify_parent`). A run that finishes notifies `engine_run_finished` (`result()`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ SUCCEED_AND_LOCK_RUN = text(
           FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
     )
     SELECT r.id, r.kind, r.version, r.input, r.status, r.current_stage, r.cancel_requested_at,
-           r.priority, r.trace, r.created_at
+           r.priority, r.trace, r.created_at, coalesce(r.deadline_at <= now(), false) AS past_deadline
       FROM done JOIN engine.task_run r ON r.id = done.run_id
        FOR UPDATE OF r
     """
@@ -52,6 +55,7 @@ SUCCEED_AND_CLAIM_NEXT = text(
         SELECT r.id FROM engine.task_run r JOIN me ON r.id = me.run_id
          WHERE r.current_stage = :stage AND r.cancel_requested_at IS NULL
            AND r.status NOT IN ('succeeded', 'failed', 'canceled')
+           AND (r.deadline_at IS NULL OR r.deadline_at > now())
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
@@ -92,7 +96,7 @@ SUCCEED_AND_FINISH = text(
     ), run AS MATERIALIZED (
         SELECT r.id FROM engine.task_run r JOIN me ON r.id = me.run_id
          WHERE r.current_stage = :stage AND r.cancel_requested_at IS NULL
-           AND r.status NOT IN ('succeeded', 'failed', 'canceled')
+           AND r.status NOT IN ('succeeded', 'failed', 'canceled') AND r.parent_run_id IS NULL
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
@@ -108,7 +112,8 @@ SUCCEED_AND_FINISH = text(
            SET status = 'succeeded', result = CAST(:result AS jsonb), current_stage = :end_stage,
                current_step = NULL, finished_at = now(), updated_at = now()
           FROM done WHERE t.id = done.run_id
-     RETURNING t.id, t.kind, t.version, t.trace, t.created_at, t.finished_at
+     RETURNING t.id, t.kind, t.version, t.trace, t.created_at, t.finished_at,
+               pg_notify('engine_run_finished', t.id::text)::text AS notified
     )
     SELECT * FROM finished
     """
@@ -153,6 +158,7 @@ FAIL_RUN = text(
     UPDATE engine.task_run SET status = 'failed', last_error = CAST(:err AS jsonb),
            finished_at = now(), updated_at = now()
      WHERE id = :run AND status NOT IN ('succeeded', 'failed', 'canceled')
-    RETURNING id, kind, version, trace, created_at, finished_at
+    RETURNING id, kind, version, trace, created_at, finished_at, parent_run_id,
+              pg_notify('engine_run_finished', id::text)::text AS notified
     """
 )

@@ -38,7 +38,13 @@ FENCE = text(
     """
 )
 
-CANCEL_REQUESTED = text("SELECT cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = :id")
+# What a checkpoint asks: was a cancel requested, has the run's deadline passed (database clock).
+STOP_REASONS = text(
+    """
+    SELECT cancel_requested_at IS NOT NULL AS cancel, coalesce(deadline_at <= now(), false) AS late
+      FROM engine.task_run WHERE id = :id
+    """
+)
 
 PROGRESS = text("UPDATE engine.step SET progress = CAST(:p AS jsonb) WHERE id = :id AND lease_token = :tok")
 

@@ -10,6 +10,12 @@ under the run row lock (the fan-in is counted there), and finishing a run.
 | `CLAIM_NEXT` | run at stage n-1 | stage n's single step inserted running for this process |
 | `FINISH_RUN` | run live | succeeded, with its result (the one place a run succeeds in a transaction) |
 
+`INSERT_RUN` also records the run's parent (a child step's run) and its deadline: the earliest of
+`deadline_at`, the parent's deadline (a child inherits it) and `now() + deadline_s` of its kind,
+in the database's clock (`least` ignores the ones not given). `LOCK_RUN` says whether the
+deadline has passed: then no next stage is created and the run ends (`chain.expire_run`).
+Every run that finishes notifies `engine_run_finished` (`store.children`).
+
 Existing step rows are left alone (`ON CONFLICT DO NOTHING`): a stage is created once however
 often its predecessor's commit is retried. Proofs: `tests/integration/test_engine_basics.py`,
 `tests/integration/test_inline.py`.
@@ -26,9 +32,11 @@ INSERT_RUN = text(
     WITH run AS (
         INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash,
                                      priority, concurrency_key, available_at, trace,
-                                     current_stage, current_step)
+                                     current_stage, current_step, parent_run_id, deadline_at)
         VALUES (:run, :kind, :version, :key, CAST(:input AS jsonb), :hash, :priority, :ckey,
-                coalesce(:at, now()), CAST(:trace AS jsonb), :stage, :label)
+                coalesce(:at, now()), CAST(:trace AS jsonb), :stage, :label, :parent,
+                least(CAST(:deadline AS timestamptz), CAST(:inherited AS timestamptz),
+                      now() + make_interval(secs => CAST(:deadline_s AS double precision))))
         ON CONFLICT (kind, idempotency_key) DO NOTHING
         RETURNING id
     ), ins AS (
@@ -52,7 +60,7 @@ EXISTING_RUN = text(
 LOCK_RUN = text(
     """
     SELECT id, kind, version, input, status, current_stage, cancel_requested_at, priority, trace,
-           created_at
+           created_at, coalesce(deadline_at <= now(), false) AS past_deadline
       FROM engine.task_run WHERE id = :id
        FOR UPDATE
     """
@@ -114,6 +122,7 @@ FINISH_RUN = text(
        SET status = 'succeeded', result = CAST(:result AS jsonb), current_stage = :end_stage,
            current_step = NULL, finished_at = now(), updated_at = now()
      WHERE id = :id AND status IN ('pending', 'running', 'waiting')
-    RETURNING id, kind, version, trace, created_at, finished_at
+    RETURNING id, kind, version, trace, created_at, finished_at, parent_run_id,
+              pg_notify('engine_run_finished', id::text)::text AS notified
     """
 )

@@ -1,0 +1,82 @@
+"""Child runs: a step that starts another run and waits for it without a worker slot.
+
+A child step, in one fenced transaction, enqueues its child (idempotently: the key is derived
+from the parent run, the step and its item index, so a retried or re-delivered step finds the
+same child) and parks on `run-finished:<child id>`, unless the child has finished already.
+Everything is written at once or nothing is: a killed worker leaves either no child or a child
+and a parked step. The child's end (succeeded, failed, canceled) stores that signal and wakes
+the step in its own finishing transaction (`chain.notify_parent`); the step's next attempt finds
+the child finished and commits its result, or fails with the child's error under the parent's
+retry policy. A child inherits its parent's deadline (the earlier of it and its own kind's).
+A child that cannot be enqueued (an unknown kind, an input its model rejects)
+fails the step at once (`ChildRejected`), with nothing written.
+
+Statements: `proj.engine.store.children`, `proj.engine.store.stages` (`INSERT_RUN`),
+`proj.engine.store.waits` (`LOCK_TOPIC`, `PARK`). Proofs: `tests/integration/test_children.py`,
+`tests/faults/test_children_faults.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from proj import db
+from proj.engine.attempts import Carry, Claim
+from proj.engine.chain import insert_run
+from proj.engine.commits import commit_success
+from proj.engine.context import StepContext
+from proj.engine.dispatch import Dispatch
+from proj.engine.errors import BadInput, ChildFailed, ChildRejected
+from proj.engine.kind import ChildSpec, Kind
+from proj.engine.status import TERMINAL, Outcome
+from proj.engine.store import children as sql
+from proj.engine.store import waits as waits_sql
+from proj.engine.waiting import park_in
+from proj.settings import get_settings
+
+
+def child_key(c: Claim) -> str:
+    """The child's idempotency key: one child per parent run, step and item, for all time."""
+    return f"child:{c.run_id}:{c.name}:{c.item_index}"
+
+
+def run_child(
+    c: Claim, ctx: StepContext, kind: Kind, spec: ChildSpec, carry: Carry | None = None
+) -> tuple[str, list[Dispatch]]:
+    """Enqueue the child (or find it) and park until it finishes; commit its result when it has."""
+    try:
+        child_input = spec.input(ctx)
+    except BadInput as exc:
+        raise ChildRejected(f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}") from exc
+    with db.transaction() as s:
+        ctx.fence(s)  # a stale attempt starts nothing
+        try:
+            ref, out = insert_run(
+                s,
+                spec.kind,
+                child_input,
+                idempotency_key=child_key(c),
+                priority=c.priority,
+                parent_run_id=c.run_id,
+                inherited_deadline=c.deadline_at,
+            )
+        except BadInput as exc:  # the transaction rolls back: nothing is half-written
+            raise ChildRejected(f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}") from exc
+        topic = sql.finished_topic(ref.task_run_id)
+        # Under the topic lock a child that finishes meanwhile either is seen finished here or
+        # finds this step parked and wakes it (`chain.notify_parent` takes the same lock).
+        s.execute(waits_sql.LOCK_TOPIC, {"topic": topic})
+        child = s.execute(sql.CHILD_STATE, {"id": ref.task_run_id}).one()
+        parked = child.status not in TERMINAL
+        if parked:
+            park_in(s, c, topic, timeout_s=spec.timeout_s)
+    if ref.created and get_settings().fault_kill_after_child_enqueue:
+        os.kill(os.getpid(), signal.SIGKILL)  # the child and the park committed, nothing sent
+    if parked:
+        return Outcome.WAITING, out
+    if child.status == "succeeded":
+        return Outcome.SUCCEEDED, commit_success(c, kind, child.result, carry=carry)
+    canceled = {"type": "Canceled", "message": child.cancel_reason}
+    error = child.last_error if child.status == "failed" else canceled
+    raise ChildFailed(child.id, child.kind, child.status, error)

@@ -1,0 +1,178 @@
+"""Child runs, run deadlines and waiting for a run's result.
+
+A child step enqueues its child (`stages.INSERT_RUN` with `parent_run_id`) and, in the same
+transaction, parks on the topic `run-finished:<child id>` (`waits.PARK`) unless the child has
+finished already (`CHILD_STATE`, read under the topic's advisory lock). A run with a parent that
+finishes (succeeded, failed, canceled) stores that signal and wakes the parked step in its own
+finishing transaction (`waits.LOCK_TOPIC`, `waits.STORE_SIGNAL`, `waits.WAKE_TOPIC`). Every
+statement that finishes a run also issues `pg_notify('engine_run_finished', <run id>)`, delivered
+at commit, which `TaskEngine.result()` listens for.
+
+| statement | from | to |
+|---|---|---|
+| `CHILD_STATE` | | the child's status, result and error (under the topic lock) |
+| `LIVE_CHILDREN` | | a run's unfinished children not asked to cancel yet, locked (the cascade) |
+| `ORPHANED_CHILDREN` | | live children of a failed or canceled parent that a cascade skipped |
+
+The cascade locks children after their parent, while a finishing child locks itself and then
+wakes its parent: so the cascade skips a child locked right now (`SKIP LOCKED`, no deadlock),
+and the sweeper cancels it on its next tick (`ORPHANED_CHILDREN`) if it did not finish.
+| `CHILDREN` | | a run's children, for the admin tree and `proj show` |
+| `PAST_DEADLINE` | live runs past `deadline_at`, no live lease | locked for `EXPIRE_RUN` |
+| `EXPIRE_RUN` | run live | failed with `DeadlineExceeded` |
+| `RUN_OUTCOME` (psycopg) | | a run's status and outcome, read by `result()` on its LISTEN connection |
+| `PARENT_OF`, `DESCENDANTS` | | a run's family tree (`family`: /admin run page, `proj show`) |
+
+Proofs: `tests/integration/test_children.py`, `tests/faults/test_children_faults.py`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, NamedTuple
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+RUN_FINISHED_CHANNEL = "engine_run_finished"
+
+
+def finished_topic(run_id: object) -> str:
+    """The stored signal a finishing child run leaves for its parent's parked step."""
+    return f"run-finished:{run_id}"
+
+
+CHILD_STATE = text(
+    """
+    SELECT id, kind, status, result, last_error, cancel_reason
+      FROM engine.task_run WHERE id = :id
+    """
+)
+
+LIVE_CHILDREN = text(
+    """
+    SELECT id FROM engine.task_run
+     WHERE parent_run_id = :id AND status IN ('pending', 'running', 'waiting')
+       AND cancel_requested_at IS NULL
+     ORDER BY created_at, id
+       FOR UPDATE SKIP LOCKED
+    """
+)
+
+# The sweeper's backstop for `LIVE_CHILDREN`'s SKIP LOCKED: a child still live, not asked to
+# cancel, whose parent ended failed or canceled (through `task_run_live_child_idx`).
+ORPHANED_CHILDREN = text(
+    """
+    SELECT c.id FROM engine.task_run c JOIN engine.task_run p ON p.id = c.parent_run_id
+     WHERE c.parent_run_id IS NOT NULL AND c.status IN ('pending', 'running', 'waiting')
+       AND c.cancel_requested_at IS NULL AND p.status IN ('failed', 'canceled')
+     LIMIT :n
+       FOR UPDATE OF c SKIP LOCKED
+    """
+)
+
+CHILDREN = text(
+    """
+    SELECT id, kind, version, status, idempotency_key, created_at, finished_at
+      FROM engine.task_run WHERE parent_run_id = :id
+     ORDER BY created_at, id
+    """
+)
+
+PAST_DEADLINE = text(
+    """
+    SELECT r.id FROM engine.task_run r
+     WHERE r.deadline_at <= now() AND r.deadline_at IS NOT NULL
+       AND r.status IN ('pending', 'running', 'waiting')
+       AND NOT EXISTS (SELECT 1 FROM engine.step s
+                        WHERE s.run_id = r.id AND s.status = 'running' AND s.lease_until > now())
+     ORDER BY r.deadline_at LIMIT :n
+       FOR UPDATE OF r SKIP LOCKED
+    """
+)
+
+# Guard: only a live run expires. Its open steps are canceled by `cancels.CANCEL_OPEN_STEPS`.
+EXPIRE_RUN = text(
+    """
+    UPDATE engine.task_run SET status = 'failed', last_error = CAST(:err AS jsonb),
+           finished_at = now(), updated_at = now()
+     WHERE id = :run AND status IN ('pending', 'running', 'waiting')
+    RETURNING id, kind, version, input, trace, created_at, finished_at, parent_run_id,
+              pg_notify('engine_run_finished', id::text)::text AS notified
+    """
+)
+
+# psycopg SQL, run on `result()`'s own LISTEN connection.
+LISTEN = "LISTEN engine_run_finished"
+RUN_OUTCOME = """
+    SELECT status, result, last_error, cancel_reason FROM engine.task_run WHERE id = %(id)s
+"""
+
+# The admin run page and `proj show`: the run's parent, and its descendants (depth-first order is
+# built by `family`), a few levels deep.
+PARENT_OF = text(
+    """
+    SELECT p.id, p.kind, p.version, p.status
+      FROM engine.task_run r JOIN engine.task_run p ON p.id = r.parent_run_id
+     WHERE r.id = :id
+    """
+)
+
+DESCENDANTS = text(
+    """
+    WITH RECURSIVE tree AS (
+        SELECT id, parent_run_id, kind, version, status, idempotency_key, created_at, 1 AS depth
+          FROM engine.task_run WHERE parent_run_id = :id
+        UNION ALL
+        SELECT r.id, r.parent_run_id, r.kind, r.version, r.status, r.idempotency_key, r.created_at,
+               t.depth + 1
+          FROM engine.task_run r JOIN tree t ON r.parent_run_id = t.id
+         WHERE t.depth < :max_depth
+    )
+    SELECT id, parent_run_id, kind, version, status, idempotency_key, depth FROM tree
+     ORDER BY depth, created_at, id
+    """
+)
+
+
+class RunNode(NamedTuple):
+    """One run of a family tree: its depth below the run shown (0: the parent above it)."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    status: str
+    depth: int
+    step: str | None  # the parent's child step that started it (and its item index)
+
+
+class Family(NamedTuple):
+    parent: RunNode | None
+    children: list[RunNode]
+
+
+def family(s: Session, run_id: uuid.UUID, max_depth: int = 4) -> Family:
+    """A run's parent and its descendants, depth first (each child under the one that started it)."""
+    p = s.execute(PARENT_OF, {"id": run_id}).first()
+    parent = RunNode(p.id, p.kind, p.version, p.status, 0, None) if p is not None else None
+    rows = s.execute(DESCENDANTS, {"id": run_id, "max_depth": max_depth}).all()
+    by_parent: dict[uuid.UUID, list[Any]] = {}
+    for r in rows:
+        by_parent.setdefault(r.parent_run_id, []).append(r)
+    out: list[RunNode] = []
+
+    def walk(of: uuid.UUID) -> None:
+        for r in by_parent.get(of, []):
+            out.append(RunNode(r.id, r.kind, r.version, r.status, r.depth, _step_of(r.idempotency_key)))
+            walk(r.id)
+
+    walk(run_id)
+    return Family(parent, out)
+
+
+def _step_of(key: str) -> str | None:
+    """`child:<parent>:<step>:<item>` → `step[item]` (`children.child_key`)."""
+    parts = key.split(":")
+    if len(parts) == 4 and parts[0] == "child":
+        return f"{parts[2]}[{parts[3]}]"
+    return None
