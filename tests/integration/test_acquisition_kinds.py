@@ -37,6 +37,7 @@ from tests.conftest import new_key
 from tests.qbt_fixtures import *  # noqa: F403
 from tests.qbt_fixtures import QbtPayload, sha256_tree
 from tests.support.services import dump_engine_state, scalar, sql, wait_for
+from tests.support.torrents import bencode, multi_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -674,30 +675,6 @@ def test_purge_drops_finished_steps_keeps_runs_dead_letters_and_unfinished_work(
 
 
 # ---------------------------------------------------------------------------------- bad input
-
-
-def bencode(v: object) -> bytes:
-    if isinstance(v, int):
-        return b"i%de" % v
-    if isinstance(v, str):
-        v = v.encode()
-    if isinstance(v, bytes):
-        return b"%d:%s" % (len(v), v)
-    if isinstance(v, list):
-        return b"l" + b"".join(bencode(x) for x in v) + b"e"
-    if isinstance(v, dict):
-        return b"d" + b"".join(bencode(k) + bencode(v[k]) for k in sorted(v)) + b"e"
-    raise TypeError(type(v))
-
-
-def multi_file(*paths: list[str], name: str = "show") -> bytes:
-    info = {
-        "name": name,
-        "piece length": 16384,
-        "pieces": b"\x00" * 20,
-        "files": [{"path": p, "length": 10} for p in paths],
-    }
-    return bencode({"announce": "http://127.0.0.1/announce", "info": info})
 
 
 def single_file(name: str) -> bytes:

@@ -11,26 +11,7 @@ from pydantic import ValidationError
 
 from proj.acquisition.torrents import BadTorrent, TorrentTooLarge, parse, verify_pieces
 from proj.settings import Settings
-
-
-def bencode(value: object) -> bytes:
-    """Enough bencoding to write torrents that torf itself would refuse to create."""
-    if isinstance(value, int):
-        return b"i%de" % value
-    if isinstance(value, str | bytes):
-        raw = value.encode() if isinstance(value, str) else value
-        return b"%d:%s" % (len(raw), raw)
-    if isinstance(value, list):
-        return b"l" + b"".join(bencode(v) for v in value) + b"e"
-    if isinstance(value, dict):
-        return b"d" + b"".join(bencode(k) + bencode(value[k]) for k in sorted(value)) + b"e"
-    raise TypeError(type(value))
-
-
-def multi_file(paths: list[list[str]], name: str = "pack") -> bytes:
-    files = [{"length": 3, "path": p} for p in paths]
-    info = {"name": name, "piece length": 16384, "pieces": b"\0" * 20, "files": files}
-    return bencode({"info": info})
+from tests.support.torrents import multi_file
 
 
 def real_torrent(tmp_path: Path) -> tuple[bytes, Path]:
@@ -73,7 +54,7 @@ def test_pieces_are_verified_against_the_payload(tmp_path: Path) -> None:
 )
 def test_file_names_that_escape_or_clash_are_refused(paths: list[list[str]], name: str, reason: str) -> None:
     with pytest.raises(BadTorrent, match=reason):
-        parse(multi_file(paths, name))
+        parse(multi_file(*paths, name=name))
 
 
 def test_junk_empty_and_oversized_torrents_are_refused() -> None:
@@ -81,7 +62,7 @@ def test_junk_empty_and_oversized_torrents_are_refused() -> None:
         parse(b"")
     with pytest.raises(BadTorrent, match="unreadable"):
         parse(b"this is not bencode" * 10)
-    good = multi_file([["a"]])
+    good = multi_file(["a"])
     assert parse(good).files[0].rel_path == "a"
     with pytest.raises(TorrentTooLarge):
         parse(good, max_bytes=len(good) - 1)
