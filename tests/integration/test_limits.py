@@ -6,6 +6,7 @@ holds if those intervals never overlap more than the limit allows.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime
 from typing import Any
@@ -362,7 +363,10 @@ def _generic_plan(statement: Any, values: dict[str, str], types: dict[str, str])
         return f"${names.index(m.group(1)) + 1}"
 
     body = re.sub(r"(?<!:):(\w+)", bind, statement.text)
-    with psycopg.connect(pg_url()) as conn:
+    # A session of its own (PREPARE and SET outlive a transaction pooler's transaction): the
+    # direct URL when the suite runs through PgBouncer (`PROJ_TEST_PGBOUNCER`).
+    direct = os.environ.get("LIVENESS_DATABASE_URL") or pg_url()
+    with psycopg.connect(direct.replace("postgresql+psycopg://", "postgresql://")) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
         conn.execute(f"PREPARE probe ({', '.join(types[n] for n in names)}) AS " + body)
         rows = conn.execute(
