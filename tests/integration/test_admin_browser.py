@@ -7,22 +7,18 @@ continue (live progress, then `succeeded`) on the run page. Screenshots go to `a
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-import uvicorn
 from pydantic import SecretStr
 
-from proj.admin.app import create_app
 from proj.settings import get_settings
 from tests.conftest import new_key
 from tests.kinds_admin import ADMIN_DDL
+from tests.support.admin_server import serve_admin
 from tests.support.services import ROOT, scalar, sql, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
@@ -45,35 +41,13 @@ def chromium_installed() -> None:
         pytest.fail("Debian chromium is not installed: run `bash scripts/setup` (apt-get install chromium)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def admin_url() -> Iterator[str]:
     """The admin app served by uvicorn in a thread, against the test database."""
     sql(ADMIN_DDL)
     settings = get_settings().model_copy(update={"admin_password": SecretStr(PASSWORD)})
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, name="admin-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/admin/healthz", timeout=1).text == "ok"
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, 20, what="admin server")
-    yield url
-    server.should_exit = True
-    thread.join(10)
+    with serve_admin(settings) as url:
+        yield url
 
 
 @pytest.fixture

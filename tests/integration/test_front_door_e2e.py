@@ -8,7 +8,6 @@ test's time was woken by the hook, and the stored signal says so.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,16 +15,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from pydantic import SecretStr
 
-from proj.admin.app import create_app
-from proj.qbt.local import LocalQbittorrent, free_port
+from proj.qbt.local import LocalQbittorrent
 from proj.settings import get_settings
 from tests.acq_fixtures import *  # noqa: F403
 from tests.acq_fixtures import Receiver, Swarm, curl_hook, make_swarm
 from tests.qbt_fixtures import *  # noqa: F403
 from tests.qbt_fixtures import QbtPayload, sha256_tree
+from tests.support.admin_server import serve_admin
 from tests.support.services import ROOT, dump_engine_state, scalar, sql, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,24 +63,8 @@ def admin(tmp_path: Path) -> Iterator[Admin]:
             "hook_token": SecretStr(HOOK_TOKEN),
         }
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, name="admin-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(url + "/admin/healthz", timeout=1).text == "ok"
-        except httpx.HTTPError:
-            return False
-
-    wait_for(up, 20, what="admin server")
-    yield Admin(url, tmp_path / "hook.log")
-    server.should_exit = True
-    thread.join(10)
+    with serve_admin(settings) as url:
+        yield Admin(url, tmp_path / "hook.log")
 
 
 @pytest.fixture
