@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.orm import Session
 
 from proj.engine import dispatch
 from proj.engine.dispatch import Dispatch
 from proj.engine.kind import Kind, all_kinds
-from proj.engine.store import admission as sql
+from proj.engine.store import admission as store
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -74,34 +73,27 @@ def limit_gates(kind: Kind, concurrency_key: str | None) -> list[Gate]:
     return gates
 
 
-def slot_of(s: Session, step_id: int) -> Any | None:
+def slot_of(s: Session, step_id: int) -> store.Slot | None:
     """The run (kind, version, key, order) of a pending, due step of a live run; None if not."""
-    return s.execute(sql.SLOT_OF, {"id": step_id}).first()
+    return store.slot_of(s, step_id)
 
 
 def holders(s: Session, gate: Gate, run_id: uuid.UUID | None = None) -> tuple[int, bool]:
     """How many runs hold a slot of `gate`, and whether `run_id` is one of them."""
-    stmt = sql.HOLDERS_KEY if gate.scope == "key" else sql.HOLDERS_GLOBAL
-    row = s.execute(stmt, {"kind": gate.kind, "key": gate.key, "run": run_id}).one()
-    return int(row.runs), bool(row.mine)
+    return store.holders(s, kind=gate.kind, key=_key(gate), run_id=run_id)
 
 
-def waiters(s: Session, gate: Gate, n: int, before: Any = None) -> list[Any]:
+def _key(gate: Gate) -> str | None:
+    """The key a gate counts by (None: the kind's global gate)."""
+    return gate.key if gate.scope == "key" else None
+
+
+def waiters(s: Session, gate: Gate, n: int, before: store.Slot | None = None) -> list[store.Waiter]:
     """Blocked steps in line for `gate`, best first (priority desc, then the oldest run); with
     `before`, only those ordered before that run."""
     if n <= 0:
         return []
-    stmt = sql.WAITERS_KEY if gate.scope == "key" else sql.WAITERS_GLOBAL
-    params: dict[str, Any] = {
-        "kind": gate.kind,
-        "key": gate.key,
-        "n": n,
-        "fresh": blocked_fresh_s(),
-        "prio": None if before is None else before.priority,
-        "created": None if before is None else before.created_at,
-        "run": None if before is None else before.run_id,
-    }
-    return list(s.execute(stmt, params).all())
+    return store.waiters(s, kind=gate.kind, key=_key(gate), n=n, fresh=blocked_fresh_s(), before=before)
 
 
 def blocked_fresh_s() -> float:
@@ -109,7 +101,7 @@ def blocked_fresh_s() -> float:
     return 3.0 * get_settings().republish_after_s + 2.0 * get_settings().sweep_interval_s
 
 
-def admit(s: Session, slot: Any, gates: list[Gate]) -> tuple[Denial | None, list[Dispatch]]:
+def admit(s: Session, slot: store.Slot, gates: list[Gate]) -> tuple[Denial | None, list[Dispatch]]:
     """Pass every gate, or say which one refused; also the better-ordered waiters to wake.
 
     Runs inside the claim transaction, before its UPDATE. The advisory lock (taken before any
@@ -119,7 +111,7 @@ def admit(s: Session, slot: Any, gates: list[Gate]) -> tuple[Denial | None, list
     """
     kicks: list[Dispatch] = []
     for gate in gates:
-        s.execute(sql.LOCK_GATE, {"lock": gate.lock})
+        store.lock_gate(s, gate.lock)
         held, mine = holders(s, gate, slot.run_id)
         if mine:
             continue  # a sibling of this run holds the slot already
@@ -137,16 +129,16 @@ def deny(s: Session, step_id: int, denial: Denial) -> list[Dispatch]:
     """Leave the step pending with its reason; no busy loop: it is retried by a hand-off, or
     by the sweeper after `republish_after_s` (its `published_at` is reset now)."""
     reason = denial.gate.reason(denial.held)
-    s.execute(sql.DENY, {"reason": reason, "scope": denial.gate.scope, "id": step_id})
+    store.deny(s, step_id=step_id, reason=reason, scope=denial.gate.scope)
     log.debug("step %s refused: %s", step_id, reason)
     return []
 
 
-def nudge(s: Session, rows: list[Any]) -> list[Dispatch]:
+def nudge(s: Session, rows: list[store.Waiter]) -> list[Dispatch]:
     """Send waiters a message now (a row being claimed already is skipped, never waited for)."""
     if not rows:
         return []
-    woken = set(s.scalars(sql.NUDGE_WAITERS, {"ids": [r.id for r in rows]}).all())
+    woken = store.nudge_waiters(s, [r.id for r in rows])
     return [
         dispatch.step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in rows if r.id in woken
     ]
@@ -155,7 +147,7 @@ def nudge(s: Session, rows: list[Any]) -> list[Dispatch]:
 def handoff(s: Session, kind: Kind, concurrency_key: str | None) -> list[Dispatch]:
     """A holder of `kind`/`key` let go (commit, park, cancel, lease expiry): wake the head of
     the line for each freed slot so the order holds and the latency is a message, not a sweep."""
-    heads: dict[int, Any] = {}
+    heads: dict[int, store.Waiter] = {}
     for gate in limit_gates(kind, concurrency_key):
         for row in waiters(s, gate, gate.limit - holders(s, gate)[0]):
             heads.setdefault(row.id, row)

@@ -16,15 +16,14 @@ from proj import db
 from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
 from proj.engine.heartbeat import Lease
 from proj.engine.kind import Kind
-from proj.engine.store import leases as sql
+from proj.engine.store import leases as store
 from proj.settings import get_settings
 
 
 def load_results(session: Session, run_id: uuid.UUID, kind: Kind) -> dict[str, Any]:
     """Committed results by step name; a fan-out step gives the list in item order."""
-    rows = session.execute(sql.RESULTS, {"id": run_id}).all()
     out: dict[str, Any] = {}
-    for stage, name, result in rows:
+    for stage, name, result in store.results(session, run_id):
         if stage < len(kind.canvas) and kind.canvas[stage].over is not None:
             out.setdefault(name, []).append(result)
         else:
@@ -95,10 +94,10 @@ class StepContext(PlanContext):
         if now - self._cancel_checked_at >= 0.2:
             self._cancel_checked_at = now
             with db.transaction() as s:
-                row = s.execute(sql.STOP_REASONS, {"id": self.run_id}).first()
+                row = store.stop_reasons(s, self.run_id)
             if row is not None:
-                self._cancel_cached = self._cancel_cached or bool(row.cancel)
-                self._late_cached = self._late_cached or bool(row.late)
+                self._cancel_cached = self._cancel_cached or row.cancel
+                self._late_cached = self._late_cached or row.late
 
     def cancel_requested(self) -> bool:
         """True when the run was asked to stop. Cheap enough to call per chunk."""
@@ -125,10 +124,7 @@ class StepContext(PlanContext):
     def fence(self, session: Session) -> None:
         """Inside `session`'s transaction: lock this attempt's step row while it still holds the
         lease (and extend it), or raise `LeaseLost`. Every fenced write starts with this."""
-        row = session.execute(
-            sql.FENCE, {"ttl": get_settings().lease_ttl_s, "id": self.step_id, "tok": self.token}
-        ).first()
-        if row is None:
+        if not store.fence(session, step_id=self.step_id, token=self.token, ttl=get_settings().lease_ttl_s):
             if self.lease is not None:
                 self.lease.lost.set()
             raise LeaseLost(f"step {self.step_id}: lease lost, commit refused")
@@ -166,4 +162,4 @@ class StepContext(PlanContext):
 
         payload = {"done": done, "total": total, "message": message, "at": time.time()}
         with db.transaction() as s:
-            s.execute(sql.PROGRESS, {"p": json.dumps(payload), "id": self.step_id, "tok": self.token})
+            store.report_progress(s, step_id=self.step_id, token=self.token, progress=json.dumps(payload))

@@ -12,7 +12,7 @@ from typing import Any
 from proj import db
 from proj.engine import broker
 from proj.engine.kind import queue_name, task_name
-from proj.engine.store.recovery import MARK_UNPUBLISHED
+from proj.engine.store import recovery as store
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,6 @@ def publish_after_commit(items: Sequence[Dispatch]) -> None:
     if failed:
         try:
             with db.transaction() as s:
-                s.execute(MARK_UNPUBLISHED, {"ids": [i for d in failed for i in d.step_ids]})
+                store.mark_unpublished(s, [i for d in failed for i in d.step_ids])
         except Exception as exc:  # then `republish_after_s` covers it
             log.warning("could not mark %d step(s) unpublished: %s", len(failed), exc)

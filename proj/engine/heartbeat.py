@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from proj import db
-from proj.engine.store import leases as sql
+from proj.engine.store import leases as store
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -83,15 +83,10 @@ class Heartbeat:
     def renew(self, leases: list[Lease]) -> None:
         """Extend all leases in one statement; a missing row means the lease is gone."""
         with db.transaction() as s:
-            rows = s.execute(
-                sql.RENEW,
-                {
-                    "ttl": get_settings().lease_ttl_s,
-                    "ids": [lease.step_id for lease in leases],
-                    "toks": [lease.token for lease in leases],
-                },
-            ).all()
-        alive = {row[0]: bool(row[1]) for row in rows}
+            rows = store.renew(
+                s, ttl=get_settings().lease_ttl_s, leases=[(lease.step_id, lease.token) for lease in leases]
+            )
+        alive = {row.step_id: row.cancel for row in rows}
         for lease in leases:
             if lease.step_id not in alive:
                 lease.lost.set()

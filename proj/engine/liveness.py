@@ -11,7 +11,7 @@ How:
   'proj-liveness'`) holding a session-level advisory lock on a random key of its own. Its lease
   owner, written by the claim, names that key and the postmaster start time it was taken under:
   `host:pid#<key>@<postmaster start, µs>`.
-- Every `REAP_INTERVAL_S` each such process runs `store.leases.END_LEASES_OF_DEAD_OWNERS` on that connection:
+- Every `REAP_INTERVAL_S` each such process runs `store.leases.end_leases_of_dead_owners` on that connection:
   a running step whose owner's lock is no longer held by anyone, on the same postmaster, has its
   lease end now. Then an ordinary `sweep()` recovers it, so fencing, retries, the attempt count,
   slot hand-off and publishing are exactly those of an expired lease.
@@ -40,7 +40,7 @@ from collections.abc import Callable
 import psycopg
 
 from proj import db
-from proj.engine.store import leases as sql
+from proj.engine.store import leases as store
 from proj.settings import get_settings, libpq_url
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,14 @@ class Liveness:
                 connect_timeout=5,
                 **db.tcp_params(),  # type: ignore[arg-type]  # libpq keywords psycopg passes on
             )
-            row = conn.execute(sql.LOCK_AND_IDENTIFY, {"key": key}).fetchone()
+            taken, postmaster_start = store.lock_and_identify(conn, key)
         except psycopg.Error as exc:
             log.warning("liveness: no session (%s); this process falls back to its leases", exc)
             self._owner = ""
             return
-        assert row is not None and row[0], "a fresh random advisory key cannot be taken"
+        assert taken, "a fresh random advisory key cannot be taken"
         self._conn = conn
-        self._owner = f"{self._plain()}#{key}@{row[1]}"
+        self._owner = f"{self._plain()}#{key}@{postmaster_start}"
 
     def _loop(self) -> None:
         while not self._stop.wait(get_settings().reap_interval_s):
@@ -141,10 +141,10 @@ class Liveness:
         if self._conn is None:
             self._reconnect()
             return 0
-        rows = self._conn.execute(sql.END_LEASES_OF_DEAD_OWNERS).fetchall()
+        rows = store.end_leases_of_dead_owners(self._conn)
         if not rows:
             return 0
-        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({str(r[1]) for r in rows}))
+        log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({r.owner for r in rows}))
         recover_now()
         return len(rows)
 

@@ -8,7 +8,7 @@ Every delivery of a step message goes through `execute()`, as a Celery task goes
    canceled run claims nothing: the outcome is `noop`. A kind with limits is admitted in the same
    transaction (`admission`), or refused with a reason. A kind without limits starts its runs in
    priority order: a delivery of its start step claims the pending run of higher priority, if
-   any, instead of its own (`store.claims.CLAIM_START`).
+   any, instead of its own (`store.claims.claim_start`).
 2. **heartbeat**: the process heartbeat renews the lease while the body runs.
 3. **body** (`_attempt`): the kind's function, a wait check (`waiting`) or a child run
    (`children`: enqueue it and park until it finishes), with a `StepContext`.
@@ -32,7 +32,6 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 from proj import db, logs
 from proj.engine import dispatch, tracing
@@ -52,7 +51,7 @@ from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
 from proj.engine.heartbeat import HEARTBEAT
 from proj.engine.kind import Kind, get_kind
 from proj.engine.status import Outcome
-from proj.engine.store import claims as sql
+from proj.engine.store import claims as store
 from proj.engine.sweeper import sweep as _sweep  # noqa: F401  registers the liveness reaper's recovery
 from proj.engine.waiting import run_wait
 from proj.settings import get_settings
@@ -81,16 +80,18 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
     """The claim transaction; also returns waiters to wake when a denial saw free slots.
 
     `starts_run`: the message is for the kind's `start_step` (a kind without limits), so it
-    may start a better-ordered pending run instead (`sql.CLAIM_START`).
+    may start a better-ordered pending run instead (`store.claims.claim_start`).
     """
     token = uuid.uuid4()
     kicks: list[Dispatch] = []
-    params = {"id": step_id, "tok": token, "owner": worker_id(), "ttl": get_settings().lease_ttl_s}
+    owner, ttl = worker_id(), get_settings().lease_ttl_s
+    row: store.ClaimedRow | None
     if starts_run or not any_limits():
         # Nothing to admit: the claim is a single statement, atomic on its own, so it runs in
         # autocommit and saves the BEGIN and COMMIT round trips.
         with db.autocommit() as conn:
-            row = conn.first(sql.CLAIM_START if starts_run else sql.CLAIM, params)
+            take = store.claim_start if starts_run else store.claim
+            row = take(conn, step_id=step_id, token=token, owner=owner, ttl=ttl)
             if row is None:
                 return None, []
             if starts_run and row.stage == 0 and row.item_index == 0:
@@ -105,7 +106,7 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
                 denial, kicks = admit(s, slot, gates)
                 if denial is not None:
                     return None, kicks + deny(s, step_id, denial)
-            row = s.execute(sql.CLAIM, params).first()
+            row = store.claim(s, step_id=step_id, token=token, owner=owner, ttl=ttl)
             if row is None:
                 return None, []
     return Claim(
@@ -130,14 +131,16 @@ def _claim(step_id: int, starts_run: bool = False) -> tuple[Claim | None, list[D
     ), kicks
 
 
-def _release_start_siblings(conn: db.Autocommit, row: Any) -> list[Dispatch]:
+def _release_start_siblings(conn: db.Autocommit, row: store.ClaimedRow) -> list[Dispatch]:
     """The run just claimed by its start step: send the rest of its first stage, held back at
     enqueue so that they could not start a run out of priority order (`Kind.holds_start_siblings`).
     If this process dies before publishing, the sweeper re-sends them (`republish_after_s`)."""
     if not get_kind(row.kind, row.version).holds_start_siblings:
         return []
-    rows = conn.all(sql.RELEASE_START_SIBLINGS, {"run": row.run_id})
-    return [dispatch.step_dispatch(r.id, row.kind, row.version, r.name, row.priority) for r in rows]
+    return [
+        dispatch.step_dispatch(r.id, row.kind, row.version, r.name, row.priority)
+        for r in store.release_start_siblings(conn, row.run_id)
+    ]
 
 
 def execute(

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -33,10 +33,10 @@ from proj.engine.errors import UnknownKind
 from proj.engine.kind import get_kind
 from proj.engine.liveness import on_dead_owners
 from proj.engine.runs import woken_dispatches
-from proj.engine.store import children as children_sql
-from proj.engine.store import recovery as sql
+from proj.engine.status import StepStatus
+from proj.engine.store import children as children_store
+from proj.engine.store import recovery as store
 from proj.engine.store import stats, waits
-from proj.engine.store.recovery import SWEEP_LOCK
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -67,17 +67,17 @@ def sweep(*, wait: bool = False) -> SweepReport:
     settings = get_settings()
     with db.transaction() as s:
         if wait:
-            s.execute(sql.LOCK_SWEEP, {"k": SWEEP_LOCK})
-        elif not s.scalar(sql.TRY_LOCK_SWEEP, {"k": SWEEP_LOCK}):
+            store.lock_sweep(s)
+        elif not store.try_lock_sweep(s):
             report.skipped = True
             return report
-        expired = s.execute(sql.EXPIRE_LEASES, {"n": BATCH}).all()
+        expired = store.expire_leases(s, BATCH)
         report.expired = len(expired)
         if expired:  # `proj_lease_recoveries_total`, counted where the lease is taken back
-            s.execute(stats.COUNT_LEASE_RECOVERIES, {"n": len(expired)})
+            stats.count_lease_recoveries(s, len(expired))
         to_publish: list[Dispatch] = []
         for row in expired:
-            if row.status == "failed":
+            if row.status == StepStatus.FAILED:
                 report.failed += 1
                 err = {**row.error, "step": row.name, "attempts": row.attempts}
                 to_publish.extend(fail_run(s, row.run_id, err))
@@ -90,17 +90,17 @@ def sweep(*, wait: bool = False) -> SweepReport:
         woken = woken_dispatches(waits.wake_due_timers(s, BATCH))
         report.woken = len(woken)
         to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
-        cancels = s.scalars(sql.CANCELS_TO_FINISH, {"n": BATCH}).all()
+        cancels = store.cancels_to_finish(s, BATCH)
         for run_id in cancels:
             to_publish.extend(finalize_cancel(s, run_id))
         report.cancel_checked = len(cancels)
-        for run_id in s.scalars(children_sql.ORPHANED_CHILDREN, {"n": BATCH}).all():
+        for run_id in children_store.orphaned_children(s, BATCH):
             to_publish.extend(request_cancel(s, run_id, "its parent run ended"))
-        late = s.scalars(children_sql.PAST_DEADLINE, {"n": BATCH}).all()
+        late = children_store.past_deadline(s, BATCH)
         for run_id in late:  # parked or between steps past the deadline: the run ends now
             to_publish.extend(expire_run(s, run_id))
         report.expired_runs = len(late)
-        due = s.execute(sql.PUBLISH_DUE, {"again": settings.republish_after_s, "n": BATCH}).all()
+        due = store.publish_due(s, again_s=settings.republish_after_s, n=BATCH)
         due = sorted(due, key=lambda r: (-r.priority, r.next_attempt_at))  # RETURNING has no order
         to_publish.extend(step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in due)
         report.published = len(due)
@@ -110,11 +110,11 @@ def sweep(*, wait: bool = False) -> SweepReport:
     return report
 
 
-def _slots(s: Session, run_ids: list[Any]) -> list[Any]:
+def _slots(s: Session, run_ids: list[uuid.UUID]) -> list[store.RunSlot]:
     """The (kind, version, concurrency_key) of runs whose step lost its lease: slots to hand off."""
     if not run_ids:
         return []
-    return list(s.execute(sql.SLOTS_OF_RUNS, {"ids": run_ids}).all())
+    return store.slots_of_runs(s, run_ids)
 
 
 # The liveness reaper recovers a dead worker's steps at once, through a sweep that waits for one

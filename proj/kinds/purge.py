@@ -23,8 +23,8 @@ def purge(ctx: StepContext) -> dict[str, Any]:
     secs = get_settings().retention_days * 86400.0
     out: dict[str, Any] = {}
     with ctx.fenced() as s:
-        out["steps"] = s.execute(retention.PURGE_FINISHED_STEPS, {"secs": secs}).rowcount
-        out["signals"] = s.execute(retention.PURGE_SIGNALS, {"secs": secs}).rowcount
+        out["steps"] = retention.purge_finished_steps(s, secs)
+        out["signals"] = retention.purge_signals(s, secs)
         if s.scalar(text("SELECT to_regclass('outbox.outbox_event') IS NOT NULL")):
             out["outbox"] = s.execute(
                 text(

@@ -8,15 +8,30 @@ run that holds one share it. Waiters are pending, due steps of live runs refused
 (`blocked_at` is renewed at each refusal); `:prio`, `:created`, `:run` NULL means the whole line,
 set means only those ordered before that run. Proof: `tests/integration/test_limits.py`.
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
+the table names others.
+
+| function | from | to |
 |---|---|---|
-| `DENY` | step pending | pending, with `blocked_reason`/`blocked_on`/`blocked_at`, re-published later |
-| `NUDGE_WAITERS` | waiters pending, not locked | published now (their message goes out) |
+| `slot_of` | | the run of a pending, due step of a live run (by primary key) |
+| `lock_gate` | | the gate's advisory lock, held to the commit |
+| `holders` (`HOLDERS_GLOBAL`, `HOLDERS_KEY`) | | runs holding a slot, and whether this run is one |
+| `waiters` (`WAITERS_GLOBAL`, `WAITERS_KEY`) | | the line, best first |
+| `deny` | step pending | pending, with `blocked_reason`/`blocked_on`/`blocked_at`, re-published later |
+| `nudge_waiters` | waiters pending, not locked | published now (their message goes out) |
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj.engine.store.rows import changed
 
 SLOT_OF = text(
     """
@@ -99,3 +114,74 @@ NUDGE_WAITERS = text(
     RETURNING id
     """
 )
+
+
+class Slot(NamedTuple):
+    """The run a limited claim counts for, and its place in line."""
+
+    run_id: uuid.UUID
+    kind: str
+    version: int
+    concurrency_key: str | None
+    priority: int
+    created_at: datetime
+
+
+class Holders(NamedTuple):
+    runs: int  # runs with a step under a live lease
+    mine: bool  # the asking run is one of them
+
+
+class Waiter(NamedTuple):
+    """A step in line for a slot, with what its message needs."""
+
+    id: int
+    name: str
+    kind: str
+    version: int
+    priority: int
+
+
+def slot_of(s: Session, step_id: int) -> Slot | None:
+    """The run of step `step_id` if the step is pending and due and its run live; else None."""
+    row = s.execute(SLOT_OF, {"id": step_id}).first()
+    return None if row is None else Slot(*row)
+
+
+def lock_gate(s: Session, lock: str) -> None:
+    """Serialise the claims of one gate (kind, or kind and key) to the commit."""
+    s.execute(LOCK_GATE, {"lock": lock})
+
+
+def holders(s: Session, *, kind: str, key: str | None, run_id: uuid.UUID | None) -> Holders:
+    """Runs of `kind` (and of its concurrency `key`, when given) holding a slot now."""
+    stmt = HOLDERS_GLOBAL if key is None else HOLDERS_KEY
+    row = s.execute(stmt, {"kind": kind, "key": key, "run": run_id}).one()
+    return Holders(int(row.runs), bool(row.mine))
+
+
+def waiters(
+    s: Session, *, kind: str, key: str | None, n: int, fresh: float, before: Slot | None
+) -> list[Waiter]:
+    """Up to `n` steps in line for `kind`'s global gate (`key` None) or its `key` gate, best
+    first; with `before`, only those ordered before that run."""
+    params: dict[str, Any] = {
+        "kind": kind,
+        "key": key,
+        "n": n,
+        "fresh": fresh,
+        "prio": None if before is None else before.priority,
+        "created": None if before is None else before.created_at,
+        "run": None if before is None else before.run_id,
+    }
+    return [Waiter(*r) for r in s.execute(WAITERS_GLOBAL if key is None else WAITERS_KEY, params)]
+
+
+def deny(s: Session, *, step_id: int, reason: str, scope: str) -> bool:
+    """Leave the step pending with its reason and scope; False: it is no longer pending."""
+    return changed(s.execute(DENY, {"reason": reason, "scope": scope, "id": step_id})) > 0
+
+
+def nudge_waiters(s: Session, ids: Sequence[int]) -> set[int]:
+    """Mark these waiters published now; returns those that were (a locked one is skipped)."""
+    return set(s.scalars(NUDGE_WAITERS, {"ids": list(ids)}).all())

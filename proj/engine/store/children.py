@@ -1,38 +1,46 @@
 """Child runs, run deadlines and waiting for a run's result.
 
-A child step enqueues its child (`stages.INSERT_RUN` with `parent_run_id`) and, in the same
-transaction, parks on the topic `run-finished:<child id>` (`waits.PARK`) unless the child has
-finished already (`CHILD_STATE`, read under the topic's advisory lock). A run with a parent that
+A child step enqueues its child (`stages.insert_run` with `parent_run_id`) and, in the same
+transaction, parks on the topic `run-finished:<child id>` (`waits.park`) unless the child has
+finished already (`child_state`, read under the topic's advisory lock). A run with a parent that
 finishes (succeeded, failed, canceled) stores that signal and wakes the parked step in its own
-finishing transaction (`waits.LOCK_TOPIC`, `waits.STORE_SIGNAL`, `waits.WAKE_TOPIC`). Every
+finishing transaction (`waits.lock_topic`, `waits.store_signal`, `waits.wake_topic`). Every
 statement that finishes a run also issues `pg_notify('engine_run_finished', <run id>)`, delivered
 at commit, which `TaskEngine.result()` listens for.
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
+the table names others.
+
+| function | from | to |
 |---|---|---|
-| `CHILD_STATE` | | the child's status, result and error (under the topic lock) |
-| `LIVE_CHILDREN` | | a run's unfinished children not asked to cancel yet, locked (the cascade) |
-| `ORPHANED_CHILDREN` | | live children of a failed or canceled parent that a cascade skipped |
+| `child_state` | | the child's status, result and error (under the topic lock) |
+| `live_children` | | a run's unfinished children not asked to cancel yet, locked (the cascade) |
+| `orphaned_children` | | live children of a failed or canceled parent that a cascade skipped |
+| `past_deadline` | live runs past `deadline_at`, no live lease | locked for `expire_run` |
+| `expire_run` | run live | failed with `DeadlineExceeded` |
+| `listen`, `run_outcome` (psycopg) | | a run's status and outcome, for `result()` on its LISTEN session |
+| `family` (`PARENT_OF`, `DESCENDANTS`) | | a run's family tree (/admin run page, `proj show`) |
 
 The cascade locks children after their parent, while a finishing child locks itself and then
 wakes its parent: so the cascade skips a child locked right now (`SKIP LOCKED`, no deadlock),
-and the sweeper cancels it on its next tick (`ORPHANED_CHILDREN`) if it did not finish.
-| `CHILDREN` | | a run's children, for the admin tree and `proj show` |
-| `PAST_DEADLINE` | live runs past `deadline_at`, no live lease | locked for `EXPIRE_RUN` |
-| `EXPIRE_RUN` | run live | failed with `DeadlineExceeded` |
-| `RUN_OUTCOME` (psycopg) | | a run's status and outcome, read by `result()` on its LISTEN connection |
-| `PARENT_OF`, `DESCENDANTS` | | a run's family tree (`family`: /admin run page, `proj show`) |
+and the sweeper cancels it on its next tick (`orphaned_children`) if it did not finish.
 
 Proofs: `tests/integration/test_children.py`, `tests/faults/test_children_faults.py`.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, NamedTuple
 
+import psycopg
 from sqlalchemy import text
 from sqlalchemy.orm import Session
+
+from proj.engine.status import RunStatus
 
 RUN_FINISHED_CHANNEL = "engine_run_finished"
 
@@ -71,14 +79,6 @@ ORPHANED_CHILDREN = text(
     """
 )
 
-CHILDREN = text(
-    """
-    SELECT id, kind, version, status, idempotency_key, created_at, finished_at
-      FROM engine.task_run WHERE parent_run_id = :id
-     ORDER BY created_at, id
-    """
-)
-
 PAST_DEADLINE = text(
     """
     SELECT r.id FROM engine.task_run r
@@ -91,7 +91,7 @@ PAST_DEADLINE = text(
     """
 )
 
-# Guard: only a live run expires. Its open steps are canceled by `cancels.CANCEL_OPEN_STEPS`.
+# Guard: only a live run expires. Its open steps are canceled by `cancels.cancel_open_steps`.
 EXPIRE_RUN = text(
     """
     UPDATE engine.task_run SET status = 'failed', last_error = CAST(:err AS jsonb),
@@ -135,13 +135,82 @@ DESCENDANTS = text(
 )
 
 
+class ChildState(NamedTuple):
+    id: uuid.UUID
+    kind: str
+    status: RunStatus
+    result: Any
+    last_error: dict[str, Any] | None
+    cancel_reason: str | None
+
+
+class ExpiredRun(NamedTuple):
+    """A run that passed its deadline and ended `failed`: what its span and its compensation need."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    input: dict[str, Any]
+    trace: dict[str, Any] | None
+    created_at: datetime
+    finished_at: datetime
+    parent_run_id: uuid.UUID | None
+
+
+class RunOutcome(NamedTuple):
+    status: RunStatus
+    result: Any
+    last_error: dict[str, Any] | None
+    cancel_reason: str | None
+
+
+def child_state(s: Session, run_id: uuid.UUID) -> ChildState:
+    """The child's status and outcome (it exists: the caller just enqueued or found it)."""
+    r = s.execute(CHILD_STATE, {"id": run_id}).one()
+    return ChildState(r.id, r.kind, RunStatus(r.status), r.result, r.last_error, r.cancel_reason)
+
+
+def live_children(s: Session, run_id: uuid.UUID) -> list[uuid.UUID]:
+    """The run's unfinished children not asked to cancel yet, locked (one locked now is skipped)."""
+    return list(s.scalars(LIVE_CHILDREN, {"id": run_id}).all())
+
+
+def orphaned_children(s: Session, n: int) -> list[uuid.UUID]:
+    """Up to `n` live children of a failed or canceled parent that its cascade skipped, locked."""
+    return list(s.scalars(ORPHANED_CHILDREN, {"n": n}).all())
+
+
+def past_deadline(s: Session, n: int) -> list[uuid.UUID]:
+    """Up to `n` live runs past their deadline with no step under a live lease, locked."""
+    return list(s.scalars(PAST_DEADLINE, {"n": n}).all())
+
+
+def expire_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> ExpiredRun | None:
+    """End a live run `failed` with `err`; None: it had ended already (nothing written)."""
+    r = s.execute(EXPIRE_RUN, {"err": json.dumps(err), "run": run_id}).first()
+    if r is None:
+        return None
+    return ExpiredRun(r.id, r.kind, r.version, r.input, r.trace, r.created_at, r.finished_at, r.parent_run_id)
+
+
+def listen(conn: psycopg.Connection[Any]) -> None:
+    """On `result()`'s own autocommit connection: be told of every run that finishes."""
+    conn.execute(LISTEN)
+
+
+def run_outcome(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> RunOutcome | None:
+    """A run's status and outcome, on `result()`'s LISTEN connection (None: no such run)."""
+    row = conn.execute(RUN_OUTCOME, {"id": run_id}).fetchone()
+    return None if row is None else RunOutcome(RunStatus(row[0]), row[1], row[2], row[3])
+
+
 class RunNode(NamedTuple):
     """One run of a family tree: its depth below the run shown (0: the parent above it)."""
 
     id: uuid.UUID
     kind: str
     version: int
-    status: str
+    status: RunStatus
     depth: int
     step: str | None  # the parent's child step that started it (and its item index)
 
@@ -154,7 +223,7 @@ class Family(NamedTuple):
 def family(s: Session, run_id: uuid.UUID, max_depth: int = 4) -> Family:
     """A run's parent and its descendants, depth first (each child under the one that started it)."""
     p = s.execute(PARENT_OF, {"id": run_id}).first()
-    parent = RunNode(p.id, p.kind, p.version, p.status, 0, None) if p is not None else None
+    parent = RunNode(p.id, p.kind, p.version, RunStatus(p.status), 0, None) if p is not None else None
     rows = s.execute(DESCENDANTS, {"id": run_id, "max_depth": max_depth}).all()
     by_parent: dict[uuid.UUID, list[Any]] = {}
     for r in rows:
@@ -163,7 +232,9 @@ def family(s: Session, run_id: uuid.UUID, max_depth: int = 4) -> Family:
 
     def walk(of: uuid.UUID) -> None:
         for r in by_parent.get(of, []):
-            out.append(RunNode(r.id, r.kind, r.version, r.status, r.depth, _step_of(r.idempotency_key)))
+            out.append(
+                RunNode(r.id, r.kind, r.version, RunStatus(r.status), r.depth, _step_of(r.idempotency_key))
+            )
             walk(r.id)
 
     walk(run_id)

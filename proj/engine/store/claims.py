@@ -11,14 +11,31 @@ make look cheap, and which is O(backlog) per claim
 
 | statement | from | to |
 |---|---|---|
-| `CLAIM` | step pending, due; run live | step running (token, lease); run running; attempt opened |
-| `CLAIM_START` | the same, for a start step | the best pending run's start step instead, if better |
-| `RELEASE_START_SIBLINGS` | run's first-stage items > 0 held back | published now |
+Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
+the table names others.
+
+| function | from | to |
+|---|---|---|
+| `claim` | step pending, due; run live | step running (token, lease); run running; attempt opened |
+| `claim_start` | the same, for a start step | the best pending run's start step instead, if better |
+| `release_start_siblings` | run's first-stage items > 0 held back | published now |
+
+A claim runs on the autocommit path (`db.autocommit()`: one round trip, no BEGIN/COMMIT) when it
+is the transaction's only statement, or inside the admission transaction of a limited kind; the
+functions take either and return `ClaimedRow` (None: nothing claimed).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import text
+import uuid
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from sqlalchemy import TextClause, text
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine.store.rows import StepRef
 
 CLAIM = text(
     """
@@ -117,3 +134,57 @@ RELEASE_START_SIBLINGS = text(
     RETURNING id, name
     """
 )
+
+
+class ClaimedRow(NamedTuple):
+    """The claimed step and what its run says, in `CLAIM`'s RETURNING order (built from the
+    driver's row positionally: the hot path pays for one small tuple)."""
+
+    id: int
+    run_id: uuid.UUID
+    stage: int
+    name: str
+    item_index: int
+    item: Any
+    attempts: int
+    max_attempts: int
+    kind: str
+    version: int
+    input: dict[str, Any]
+    priority: int
+    concurrency_key: str | None
+    trace: dict[str, Any] | None
+    parent_run_id: uuid.UUID | None
+    deadline_at: datetime | None
+    claimed_at: datetime
+
+
+Executor = db.Autocommit | Session
+
+
+def _claim(ex: Executor, stmt: TextClause, params: dict[str, Any]) -> ClaimedRow | None:
+    row = ex.first(stmt, params) if isinstance(ex, db.Autocommit) else ex.execute(stmt, params).first()
+    return None if row is None else ClaimedRow(*row)
+
+
+def claim(ex: Executor, *, step_id: int, token: uuid.UUID, owner: str, ttl: float) -> ClaimedRow | None:
+    """Take step `step_id` under `token` if it is pending and due and its run live; None: a
+    duplicate or stale message, a canceled or late run (nothing written)."""
+    return _claim(ex, CLAIM, {"id": step_id, "tok": token, "owner": owner, "ttl": ttl})
+
+
+def claim_start(ex: Executor, *, step_id: int, token: uuid.UUID, owner: str, ttl: float) -> ClaimedRow | None:
+    """`claim` for a start step: the best-ordered pending run of the kind starts, which may be
+    another run's start step than `step_id`'s."""
+    return _claim(ex, CLAIM_START, {"id": step_id, "tok": token, "owner": owner, "ttl": ttl})
+
+
+def release_start_siblings(ex: Executor, run_id: uuid.UUID) -> list[StepRef]:
+    """Mark the run's held-back first-stage siblings published; returns them (to send)."""
+    params = {"run": run_id}
+    rows = (
+        ex.all(RELEASE_START_SIBLINGS, params)
+        if isinstance(ex, db.Autocommit)
+        else ex.execute(RELEASE_START_SIBLINGS, params).all()
+    )
+    return [StepRef(*r) for r in rows]

@@ -7,17 +7,31 @@ statements are psycopg SQL (`%(name)s`), run on each worker process' own session
 ends when the process dies, so a dead owner's leases are ended at once
 (`tests/faults/test_recovery_fast.py`).
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
+the table names others.
+
+| function | from | to |
 |---|---|---|
-| `RENEW` | steps running under these tokens | lease extended; says whether a cancel was asked |
-| `FENCE` | step running under this token | lease extended (the business transaction may commit) |
-| `PROGRESS` | step under this token | its progress shown |
-| `END_LEASES_OF_DEAD_OWNERS` | running, owner's session gone (same postmaster) | lease ended now |
+| `renew` | steps running under these tokens | lease extended; says whether a cancel was asked |
+| `fence` | step running under this token | lease extended (the business transaction may commit) |
+| `stop_reasons` | | whether a cancel was asked, whether the deadline passed |
+| `report_progress` (`PROGRESS`) | step under this token | its progress shown |
+| `results` | | the run's committed step results |
+| `lock_and_identify` | | this session's liveness lock, the postmaster start |
+| `end_leases_of_dead_owners` | running, owner's session gone (same postmaster) | lease ended now |
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import psycopg
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj.engine.store.rows import changed
 
 RENEW = text(
     """
@@ -76,3 +90,67 @@ END_LEASES_OF_DEAD_OWNERS = """
        AND split_part(split_part(s.lease_owner, '#', 2), '@', 1)::bigint NOT IN (SELECT key FROM held)
  RETURNING s.id, s.lease_owner
 """
+
+
+class Renewed(NamedTuple):
+    """A lease the heartbeat renewed, and whether its run was asked to cancel."""
+
+    step_id: int
+    cancel: bool
+
+
+class StopReasons(NamedTuple):
+    cancel: bool  # a cancel was requested
+    late: bool  # the run's deadline has passed (the database's clock)
+
+
+class StepResult(NamedTuple):
+    stage: int
+    name: str
+    result: Any
+
+
+class DeadOwnerLease(NamedTuple):
+    step_id: int
+    owner: str
+
+
+def renew(s: Session, *, ttl: float, leases: Sequence[tuple[int, uuid.UUID]]) -> list[Renewed]:
+    """Extend every `(step id, token)` lease still held; a lease missing from the answer is lost."""
+    params = {"ttl": ttl, "ids": [i for i, _ in leases], "toks": [t for _, t in leases]}
+    return [Renewed(int(r[0]), bool(r[1])) for r in s.execute(RENEW, params)]
+
+
+def fence(s: Session, *, step_id: int, token: uuid.UUID, ttl: float) -> bool:
+    """Lock the step row while `token` holds its lease (and extend it); False: the lease is gone
+    and the caller's transaction must not commit."""
+    return s.execute(FENCE, {"ttl": ttl, "id": step_id, "tok": token}).first() is not None
+
+
+def stop_reasons(s: Session, run_id: uuid.UUID) -> StopReasons | None:
+    """Whether the run was asked to cancel and whether its deadline passed (None: no such run)."""
+    row = s.execute(STOP_REASONS, {"id": run_id}).first()
+    return None if row is None else StopReasons(bool(row.cancel), bool(row.late))
+
+
+def report_progress(s: Session, *, step_id: int, token: uuid.UUID, progress: str) -> bool:
+    """Show `progress` (JSON) on the step while `token` holds it; False: it does not."""
+    return changed(s.execute(PROGRESS, {"p": progress, "id": step_id, "tok": token})) > 0
+
+
+def results(s: Session, run_id: uuid.UUID) -> list[StepResult]:
+    """The run's committed step results, by stage and item."""
+    return [StepResult(*r) for r in s.execute(RESULTS, {"id": run_id})]
+
+
+def lock_and_identify(conn: psycopg.Connection[Any], key: int) -> tuple[bool, int]:
+    """On the liveness session: take its advisory lock `key`; whether it was taken, and the
+    postmaster start (µs) the lock lives under."""
+    row = conn.execute(LOCK_AND_IDENTIFY, {"key": key}).fetchone()
+    assert row is not None
+    return bool(row[0]), int(row[1])
+
+
+def end_leases_of_dead_owners(conn: psycopg.Connection[Any]) -> list[DeadOwnerLease]:
+    """End the leases whose owner's liveness session is gone (the reaper, on its own session)."""
+    return [DeadOwnerLease(int(r[0]), str(r[1])) for r in conn.execute(END_LEASES_OF_DEAD_OWNERS).fetchall()]

@@ -3,17 +3,31 @@
 One sweep at a time per database (`LOCK_SWEEP`/`TRY_LOCK_SWEEP`, transaction-level), so two
 beats are harmless. Proofs: `tests/faults/test_engine_faults.py`, `tests/faults/test_recovery_fast.py`.
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
+the table names others.
+
+| function | from | to |
 |---|---|---|
-| `EXPIRE_LEASES` | step running, lease past | pending (attempts left) or failed: `LeaseExpired` |
-| `CANCELS_TO_FINISH` | | live runs with a cancel request (each then `chain.finalize_cancel`) |
-| `PUBLISH_DUE` | step pending, due, never published or its message seemingly lost | published now |
-| `SLOTS_OF_RUNS` | | the (kind, version, key) slots of runs whose step lost its lease |
+| `lock_sweep`, `try_lock_sweep` | | the sweep's lock, to the commit |
+| `expire_leases` | step running, lease past | pending (attempts left) or failed: `LeaseExpired` |
+| `cancels_to_finish` | | live runs with a cancel request (each then `chain.finalize_cancel`) |
+| `publish_due` | step pending, due, never published or its message seemingly lost | published now |
+| `slots_of_runs` | | the (kind, version, key) slots of runs whose step lost its lease |
+| `mark_unpublished` | steps whose message could not be sent | unpublished (the next sweep sends them) |
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj.engine.status import StepStatus
+from proj.engine.store.rows import changed
 
 SWEEP_LOCK = 0x5EE9_0001
 LOCK_SWEEP = text("SELECT pg_advisory_xact_lock(:k)")
@@ -65,3 +79,70 @@ SLOTS_OF_RUNS = text(
 
 # A message that could not be sent: the next sweep sends the step at once.
 MARK_UNPUBLISHED = text("UPDATE engine.step SET published_at = NULL WHERE id = ANY(:ids)")
+
+
+class ExpiredLease(NamedTuple):
+    """A step whose lease the sweeper took back: `pending` again, or `failed` (attempts spent)."""
+
+    id: int
+    run_id: uuid.UUID
+    status: StepStatus
+    name: str
+    attempts: int
+    error: dict[str, Any]
+
+
+class DueStep(NamedTuple):
+    """A step the sweeper publishes, with what its message needs."""
+
+    id: int
+    name: str
+    kind: str
+    version: int
+    priority: int
+    next_attempt_at: datetime
+
+
+class RunSlot(NamedTuple):
+    kind: str
+    version: int
+    concurrency_key: str | None
+
+
+def lock_sweep(s: Session) -> None:
+    """Wait for the sweep in progress, then hold the sweep's lock to the commit."""
+    s.execute(LOCK_SWEEP, {"k": SWEEP_LOCK})
+
+
+def try_lock_sweep(s: Session) -> bool:
+    """Hold the sweep's lock to the commit; False: another sweep runs (skip this tick)."""
+    return bool(s.scalar(TRY_LOCK_SWEEP, {"k": SWEEP_LOCK}))
+
+
+def expire_leases(s: Session, n: int) -> list[ExpiredLease]:
+    """Take back up to `n` expired leases (skipping rows locked by a commit in flight)."""
+    return [
+        ExpiredLease(r.id, r.run_id, StepStatus(r.status), r.name, r.attempts, r.error)
+        for r in s.execute(EXPIRE_LEASES, {"n": n})
+    ]
+
+
+def cancels_to_finish(s: Session, n: int) -> list[uuid.UUID]:
+    """Live runs with a cancel request, for `chain.finalize_cancel`."""
+    return list(s.scalars(CANCELS_TO_FINISH, {"n": n}).all())
+
+
+def publish_due(s: Session, *, again_s: float, n: int) -> list[DueStep]:
+    """Mark up to `n` due steps published (never sent, or sent over `again_s` ago), highest
+    priority first in the selection; the rows come back unordered."""
+    return [DueStep(*r) for r in s.execute(PUBLISH_DUE, {"again": again_s, "n": n})]
+
+
+def slots_of_runs(s: Session, run_ids: Sequence[uuid.UUID]) -> list[RunSlot]:
+    """The distinct (kind, version, key) of these runs."""
+    return [RunSlot(*r) for r in s.execute(SLOTS_OF_RUNS, {"ids": list(run_ids)})]
+
+
+def mark_unpublished(s: Session, step_ids: Sequence[int]) -> int:
+    """These steps' messages were not sent: the next sweep sends them at once."""
+    return changed(s.execute(MARK_UNPUBLISHED, {"ids": list(step_ids)}))

@@ -1,5 +1,5 @@
 """Statistics over `engine.*`: what `/metrics` and `/admin/overview` show, and the one counter
-the sweeper bumps (`COUNT_LEASE_RECOVERIES`, the only write here).
+the sweeper bumps (`count_lease_recoveries`, the only write here).
 
 Why here: `proj/engine/store/` is the one owner of engine statements (DESIGN §7), so the
 collector (`proj.admin.metrics`) and the overview page never write engine SQL of their own.
@@ -232,6 +232,12 @@ def lease_recoveries(s: Executor) -> int:
 def finished_per_minute(s: Executor) -> list[MinuteCount]:
     """Runs finished in the last hour by minute and status (the overview's first chart)."""
     return [MinuteCount(r.minute, r.status, int(r.n)) for r in s.execute(FINISHED_PER_MINUTE)]
+
+
+def count_lease_recoveries(s: Session, n: int) -> None:
+    """Add `n` to `proj_lease_recoveries_total`, in the sweeper's transaction that took the leases
+    back (so the counter and the recoveries commit together)."""
+    s.execute(COUNT_LEASE_RECOVERIES, {"n": n})
 
 
 def database_now(s: Executor) -> datetime:
