@@ -26,11 +26,12 @@ from proj.engine.inputs import canonical_input, check_key
 from proj.engine.kind import Kind, StepDef, get_kind
 from proj.engine.port import TaskRunRef
 from proj.engine.status import TERMINAL
-from proj.engine.store import cancels as cancels_sql
-from proj.engine.store import children as children_sql
-from proj.engine.store import commits as commits_sql
-from proj.engine.store import stages as sql
-from proj.engine.store import waits as waits_sql
+from proj.engine.store import cancels as cancels_store
+from proj.engine.store import children as children_store
+from proj.engine.store import commits as commits_store
+from proj.engine.store import stages as store
+from proj.engine.store import waits as waits_store
+from proj.engine.store.rows import StepRef
 from proj.settings import get_settings
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def insert_run(
     a run starts on the newest version this process knows, and keeps it to the end.
     `priority` (higher first, FIFO within one priority) orders the start of a kind's pending
     runs: in the admission line of a limited kind, by the claim of the start step otherwise
-    (`store.claims.CLAIM_START`, whatever order the broker delivers in), and the sweeper's
+    (`store.claims.claim_start`, whatever order the broker delivers in), and the sweeper's
     re-sends. `trace` is a W3C carrier to parent the run's trace on; by default the caller's
     current span is the parent.
     """
@@ -122,36 +123,31 @@ def _insert(
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
     first = stage_rows(kind, 0, plan)
     due_now = available_at is None
-    inserted = s.execute(
-        sql.INSERT_RUN,
-        {
-            "run": run_id,
-            "kind": kind.name,
-            "version": kind.version,
-            "key": idempotency_key,
-            "input": json.dumps(stored),
-            "hash": digest,
-            "priority": priority,
-            "ckey": ckey,
-            "at": available_at,
-            "trace": json.dumps(dict(trace)) if trace else None,
-            "stage": 0,
-            "label": kind.canvas[0].label,
-            **first,
-            "due": due_now,
-            "parent": parent_run_id,
-            "deadline": deadline_at,
-            "inherited": inherited_deadline,
-            "deadline_s": kind.deadline_s,
-        },
-    ).all()
-    if not inserted:
-        existing = s.execute(sql.EXISTING_RUN, {"kind": kind.name, "key": idempotency_key}).one()
+    new = store.NewRun(
+        run_id=run_id,
+        kind=kind.name,
+        version=kind.version,
+        idempotency_key=idempotency_key,
+        input_json=json.dumps(stored),
+        input_hash=digest,
+        priority=priority,
+        concurrency_key=ckey,
+        available_at=available_at,
+        trace_json=json.dumps(dict(trace)) if trace else None,
+        label=kind.canvas[0].label,
+        parent_run_id=parent_run_id,
+        deadline_at=deadline_at,
+        inherited_deadline=inherited_deadline,
+        deadline_s=kind.deadline_s,
+    )
+    inserted = store.insert_run(s, new, first, due=due_now)
+    if inserted is None:
+        existing = store.existing_run(s, kind.name, idempotency_key)
         if existing.input_hash != digest:
             raise IdempotencyConflict(kind.name, idempotency_key, existing.id)
         return TaskRunRef(existing.id, created=False), []
     ref = TaskRunRef(run_id, created=True)
-    if first["names"]:
+    if first.names:
         out = stage_dispatches(kind, inserted, priority) if due_now else []
         # With held siblings, item 0 starts the run; the rest go out when it is claimed.
         return ref, out[:1] if kind.holds_start_siblings else out
@@ -169,7 +165,12 @@ def _insert(
 
 
 def advance(
-    s: Session, run_id: uuid.UUID, *, run: Any = None, stage: int | None = None, carry: Carry | None = None
+    s: Session,
+    run_id: uuid.UUID,
+    *,
+    run: store.LockedRun | None = None,
+    stage: int | None = None,
+    carry: Carry | None = None,
 ) -> list[Dispatch]:
     """After a step committed: if its stage is complete, start the next one or finish the run.
 
@@ -177,7 +178,7 @@ def advance(
     the run row when the caller locked it already; `stage` the stage of the step it committed.
     """
     if run is None:
-        run = s.execute(sql.LOCK_RUN, {"id": run_id}).first()
+        run = store.lock_run(s, run_id)
     if run is None or run.status in TERMINAL:
         return []
     kind = get_kind(run.kind, run.version)
@@ -186,7 +187,7 @@ def advance(
     # caller just committed it, nothing is left open and the count can be skipped.
     sole = current is not None and current.single
     counted = not (sole and stage == run.current_stage)
-    if counted and s.scalar(sql.OPEN_IN_STAGE, {"id": run_id, "stage": run.current_stage}):
+    if counted and store.open_in_stage(s, run_id, run.current_stage):
         return []
     if run.cancel_requested_at is not None:
         return finalize_cancel(s, run_id)
@@ -208,9 +209,7 @@ def finish_run(s: Session, run_id: uuid.UUID, kind: Kind, result: Any) -> list[D
     out after commit. The one-statement commit (`commit_alone`) is the only other way a run
     succeeds, and writes the same columns (for a run without a parent). A child run wakes its
     parent's parked step here: the messages are returned."""
-    run = s.execute(
-        sql.FINISH_RUN, {"result": to_json(result), "end_stage": len(kind.canvas), "id": run_id}
-    ).first()
+    run = store.finish_run(s, run_id, result=to_json(result), end_stage=len(kind.canvas))
     if run is None:
         return []
     tracing.run_finished(s, run, "succeeded", run.finished_at)
@@ -225,13 +224,12 @@ def notify_parent(
     sees the child finished). Runs without a parent store nothing."""
     if parent_run_id is None:
         return []
-    topic = children_sql.finished_topic(run_id)
-    s.execute(waits_sql.LOCK_TOPIC, {"topic": topic})
-    payload = json.dumps({"run_id": str(run_id), "status": status})
-    s.execute(waits_sql.STORE_SIGNAL, {"topic": topic, "payload": payload})
+    topic = children_store.finished_topic(run_id)
+    waits_store.lock_topic(s, topic)
+    waits_store.store_signal(s, topic, json.dumps({"run_id": str(run_id), "status": status}))
     return [
         dispatch.step_dispatch(w.id, w.kind, w.version, w.name, w.priority)
-        for w in waits_sql.wake_topic(s, topic)
+        for w in waits_store.wake_topic(s, topic)
     ]
 
 
@@ -240,10 +238,10 @@ def expire_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any] | None = No
     (a running one's commit is refused), its unfinished children canceled, its parent woken and
     its compensation enqueued, in the caller's transaction."""
     error = dict(err) if err else {"type": "DeadlineExceeded", "message": f"run {run_id} passed its deadline"}
-    run = s.execute(children_sql.EXPIRE_RUN, {"err": json.dumps(error), "run": run_id}).first()
+    run = children_store.expire_run(s, run_id, error)
     if run is None:
         return []
-    s.execute(cancels_sql.CANCEL_OPEN_STEPS, {"id": run_id})
+    cancels_store.cancel_open_steps(s, run_id)
     tracing.run_finished(s, run, "failed", run.finished_at)
     out = cancel_children(s, run_id, f"parent run {run_id} passed its deadline")
     out += notify_parent(s, run_id, run.parent_run_id, "failed")
@@ -272,21 +270,20 @@ def create_stage(
         return True, []
     rows = stage_rows(kind, stage, plan)
     due_now = available_at is None
-    inserted = s.execute(
-        sql.CREATE_STAGE,
-        {"run": run_id, "stage": stage, "label": st.label, **rows, "at": available_at, "due": due_now},
-    ).all()
-    return bool(rows["names"]), stage_dispatches(kind, inserted, priority) if due_now else []
+    inserted = store.create_stage(
+        s, run_id=run_id, stage=stage, label=st.label, rows=rows, available_at=available_at, due=due_now
+    )
+    return bool(rows.names), stage_dispatches(kind, inserted, priority) if due_now else []
 
 
-def stage_dispatches(kind: Kind, inserted: Sequence[Any], priority: int) -> list[Dispatch]:
-    """The messages for step rows a stage insert returned (`id`, `name`)."""
+def stage_dispatches(kind: Kind, inserted: Sequence[StepRef], priority: int) -> list[Dispatch]:
+    """The messages for step rows a stage insert returned."""
     return [dispatch.step_dispatch(r.id, kind.name, kind.version, r.name, priority) for r in inserted]
 
 
-def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]]:
-    """The step rows of `stage` as the array parameters of `CREATE_STAGE`/`INSERT_RUN`: one per
-    static step, or one per item of a fan-out (none for an empty one)."""
+def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> store.StageRows:
+    """The step rows of `stage`: one per static step, or one per item of a fan-out (none for an
+    empty one)."""
     st = kind.canvas[stage]
     rows: list[tuple[StepDef, int, str | None]]
     if st.over is not None:
@@ -294,43 +291,44 @@ def stage_rows(kind: Kind, stage: int, plan: PlanContext) -> dict[str, list[Any]
         rows = [(st.steps[0], i, to_json(item)) for i, item in enumerate(items)]
     else:
         rows = [(sd, i, None) for i, sd in enumerate(st.steps)]
-    return {
-        "names": [sd.name for sd, _, _ in rows],
-        "idxs": [index for _, index, _ in rows],
-        "items": [item for _, _, item in rows],
-        "maxs": [kind.policy_for(sd).max_attempts for sd, _, _ in rows],
-    }
+    return store.StageRows(
+        names=[sd.name for sd, _, _ in rows],
+        idxs=[index for _, index, _ in rows],
+        items=[item for _, _, item in rows],
+        maxs=[kind.policy_for(sd).max_attempts for sd, _, _ in rows],
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # the inline carry of a linear chain
 
 
-def _next_params(carry: Carry, kind: Kind, stage: int) -> dict[str, Any]:
+def _next_step(carry: Carry, kind: Kind, stage: int) -> store.NextStep:
+    """`stage`'s single step, to insert claimed under `carry.token` for this process."""
     sdef = kind.canvas[stage].steps[0]
-    return {
-        "run": carry.parent.run_id,
-        "next_stage": stage,
-        "next_name": sdef.name,
-        "next_label": kind.canvas[stage].label,
-        "next_max": kind.policy_for(sdef).max_attempts,
-        "next_tok": carry.token,
-        "owner": worker_id(),
-        "ttl": get_settings().lease_ttl_s,
-    }
+    return store.NextStep(
+        run_id=carry.parent.run_id,
+        stage=stage,
+        name=sdef.name,
+        label=kind.canvas[stage].label,
+        max_attempts=kind.policy_for(sdef).max_attempts,
+        token=carry.token,
+        owner=worker_id(),
+        ttl=get_settings().lease_ttl_s,
+    )
 
 
-def _carried(carry: Carry, params: dict[str, Any], step_id: int, claimed_at: datetime) -> None:
+def _carried(carry: Carry, nxt: store.NextStep, step_id: int, claimed_at: datetime) -> None:
     """The claim of the step inserted under `carry.token`, for this process to run next."""
     carry.claim = replace(
         carry.parent,
         step_id=step_id,
-        stage=params["next_stage"],
-        name=params["next_name"],
+        stage=nxt.stage,
+        name=nxt.name,
         item_index=0,
         item=None,
         attempt=1,
-        max_attempts=params["next_max"],
+        max_attempts=nxt.max_attempts,
         claimed_at=claimed_at,
         token=carry.token,
     )
@@ -338,11 +336,11 @@ def _carried(carry: Carry, params: dict[str, Any], step_id: int, claimed_at: dat
 
 def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> bool:
     """Insert `stage`'s single step already claimed under `carry.token`; False if it exists."""
-    params = _next_params(carry, kind, stage)
-    row = s.execute(sql.CLAIM_NEXT, params).first()
+    nxt = _next_step(carry, kind, stage)
+    row = store.claim_next(s, nxt)
     if row is None:
         return False
-    _carried(carry, params, row.id, row.claimed_at)
+    _carried(carry, nxt, row.id, row.claimed_at)
     return True
 
 
@@ -360,11 +358,12 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
         return None
     if c.parent_run_id is not None and c.stage + 1 == len(kind.canvas):
         return None  # a child run's end wakes its parent: the general path (`finish_run`)
-    params: dict[str, Any] = {"id": c.step_id, "tok": c.token, "stage": c.stage, "result": payload}
     following = c.stage + 1
     if following == len(kind.canvas):
         with db.autocommit() as conn:
-            run = conn.first(commits_sql.SUCCEED_AND_FINISH, {**params, "end_stage": following})
+            run = commits_store.succeed_and_finish(
+                conn, step_id=c.step_id, token=c.token, stage=c.stage, result=payload, end_stage=following
+            )
         if run is None:
             return None
         tracing.run_span(run, "succeeded", run.finished_at)
@@ -372,13 +371,15 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
     nxt = kind.canvas[following]
     if carry is None or not nxt.single:
         return None
-    params |= _next_params(carry, kind, following)
+    next_step = _next_step(carry, kind, following)
     with db.autocommit() as conn:
-        row = conn.first(commits_sql.SUCCEED_AND_CLAIM_NEXT, params)
+        row = commits_store.succeed_and_claim_next(
+            conn, step_id=c.step_id, token=c.token, stage=c.stage, result=payload, next_step=next_step
+        )
     if row is None:
         return None
-    if row.next_id is not None:
-        _carried(carry, params, row.next_id, row.claimed_at)
+    if row.next_id is not None and row.claimed_at is not None:
+        _carried(carry, next_step, row.next_id, row.claimed_at)
     return []
 
 
@@ -389,7 +390,7 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
 def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
     """Business first: the kind's cancel hook and the request, then stop the run if no step
     runs (`finalize_cancel`, which cascades to the run's children). KeyError: no such run."""
-    run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
+    run = cancels_store.lock_run_to_cancel(s, run_id)
     if run is None:
         raise KeyError(f"no run {run_id}")
     if run.status in TERMINAL:
@@ -397,14 +398,14 @@ def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]
     kind = get_kind(run.kind, run.version)
     if kind.on_cancel is not None:
         kind.on_cancel(s, run.id, kind.input_model.model_validate(run.input))
-    s.execute(cancels_sql.REQUEST_CANCEL, {"reason": reason[:2000], "id": run_id})
+    cancels_store.request_cancel(s, run_id, reason[:2000])
     return finalize_cancel(s, run_id)
 
 
 def cancel_children(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
     """Cancel every unfinished child of the run not asked to stop yet (and theirs, in turn)."""
     out: list[Dispatch] = []
-    for child_id in s.scalars(children_sql.LIVE_CHILDREN, {"id": run_id}).all():
+    for child_id in children_store.live_children(s, run_id):
         out += request_cancel(s, child_id, reason)
     return out
 
@@ -414,15 +415,15 @@ def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
 
     Its unfinished children are asked to cancel at once (business first, each with its own
     compensation); a canceled child wakes its parent's step, which then fails."""
-    run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
+    run = cancels_store.lock_run_to_cancel(s, run_id)
     if run is None or run.status in TERMINAL:
         return []
     reason = f"parent run {run_id} canceled: {run.cancel_reason or ''}".strip()
     out = cancel_children(s, run_id, reason)
-    if s.scalar(cancels_sql.LIVE_LEASES, {"id": run_id}):
+    if cancels_store.live_leases(s, run_id):
         return out
-    s.execute(cancels_sql.CANCEL_OPEN_STEPS, {"id": run_id})
-    ended = s.execute(cancels_sql.CANCEL_RUN, {"id": run_id}).first()
+    cancels_store.cancel_open_steps(s, run_id)
+    ended = cancels_store.cancel_run(s, run_id)
     if ended is None:
         return out
     tracing.run_finished(s, run, "canceled", ended.finished_at)
@@ -430,7 +431,9 @@ def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
     return out + enqueue_compensation(s, run)
 
 
-def enqueue_compensation(s: Session, run: Any) -> list[Dispatch]:
+def enqueue_compensation(
+    s: Session, run: cancels_store.RunToCancel | children_store.ExpiredRun
+) -> list[Dispatch]:
     """Compensation is an explicit kind, enqueued once (idempotent key) in the same transaction."""
     kind = get_kind(run.kind, run.version)
     if kind.compensation is None:

@@ -11,8 +11,8 @@ retry policy. A child inherits its parent's deadline (the earlier of it and its 
 A child that cannot be enqueued (an unknown kind, an input its model rejects)
 fails the step at once (`ChildRejected`), with nothing written.
 
-Statements: `proj.engine.store.children`, `proj.engine.store.stages` (`INSERT_RUN`),
-`proj.engine.store.waits` (`LOCK_TOPIC`, `PARK`). Proofs: `tests/integration/test_children.py`,
+Statements: `proj.engine.store.children`, `proj.engine.store.stages` (`insert_run`),
+`proj.engine.store.waits` (`lock_topic`, `park`). Proofs: `tests/integration/test_children.py`,
 `tests/faults/test_children_faults.py`.
 """
 
@@ -29,9 +29,9 @@ from proj.engine.context import StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import BadInput, ChildFailed, ChildRejected
 from proj.engine.kind import ChildSpec, Kind
-from proj.engine.status import TERMINAL, Outcome
-from proj.engine.store import children as sql
-from proj.engine.store import waits as waits_sql
+from proj.engine.status import TERMINAL, Outcome, RunStatus
+from proj.engine.store import children as store
+from proj.engine.store import waits as waits_store
 from proj.engine.waiting import park_in
 from proj.settings import get_settings
 
@@ -63,11 +63,11 @@ def run_child(
             )
         except BadInput as exc:  # the transaction rolls back: nothing is half-written
             raise ChildRejected(f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}") from exc
-        topic = sql.finished_topic(ref.task_run_id)
+        topic = store.finished_topic(ref.task_run_id)
         # Under the topic lock a child that finishes meanwhile either is seen finished here or
         # finds this step parked and wakes it (`chain.notify_parent` takes the same lock).
-        s.execute(waits_sql.LOCK_TOPIC, {"topic": topic})
-        child = s.execute(sql.CHILD_STATE, {"id": ref.task_run_id}).one()
+        waits_store.lock_topic(s, topic)
+        child = store.child_state(s, ref.task_run_id)
         parked = child.status not in TERMINAL
         if parked:
             park_in(s, c, topic, timeout_s=spec.timeout_s)
@@ -75,8 +75,8 @@ def run_child(
         os.kill(os.getpid(), signal.SIGKILL)  # the child and the park committed, nothing sent
     if parked:
         return Outcome.WAITING, out
-    if child.status == "succeeded":
+    if child.status == RunStatus.SUCCEEDED:
         return Outcome.SUCCEEDED, commit_success(c, kind, child.result, carry=carry)
     canceled = {"type": "Canceled", "message": child.cancel_reason}
-    error = child.last_error if child.status == "failed" else canceled
+    error = child.last_error if child.status == RunStatus.FAILED else canceled
     raise ChildFailed(child.id, child.kind, child.status, error)

@@ -5,7 +5,6 @@ body stopped for. Every commit is fenced by the lease token (invariant 3): a ref
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost, NonRetryable
 from proj.engine.kind import Kind, RetryPolicy
 from proj.engine.status import Outcome
-from proj.engine.store import commits as sql
+from proj.engine.store import commits as store
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def commit_success(
 
 
 def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> list[Dispatch]:
-    run = s.execute(sql.SUCCEED_AND_LOCK_RUN, {"id": c.step_id, "tok": c.token, "result": payload}).first()
+    run = store.succeed_and_lock_run(s, step_id=c.step_id, token=c.token, result=payload)
     if run is None:
         raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
     return chain.advance(s, c.run_id, run=run, stage=c.stage, carry=carry)
@@ -59,19 +58,12 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[s
     final = isinstance(exc, NonRetryable) or c.attempt >= min(c.max_attempts, policy.max_attempts)
     delay = 0.0 if final else policy.backoff(c.attempt)
     with db.transaction() as s:
-        row = s.execute(
-            sql.FAIL_OR_RETRY,
-            {"final": final, "delay": delay, "err": json.dumps(err), "id": c.step_id, "tok": c.token},
-        ).first()
-        if row is None:
+        if not store.fail_or_retry(s, step_id=c.step_id, token=c.token, final=final, delay=delay, err=err):
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
         close_attempt(s, c, Outcome.FAILED if final else Outcome.RETRY, err)
         if final:
             return Outcome.FAILED, fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
-        s.execute(
-            sql.RECORD_RETRY_ERROR,
-            {"err": json.dumps({**err, "step": c.name, "attempts": c.attempt}), "run": c.run_id},
-        )
+        store.record_retry_error(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
     log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
     return Outcome.RETRY, []
 
@@ -79,8 +71,7 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[s
 def commit_canceled(c: Claim) -> tuple[str, list[Dispatch]]:
     """The body stopped itself on a cancel request: close the step, then finish the cancel."""
     with db.transaction() as s:
-        row = s.execute(sql.CANCEL_STEP, {"id": c.step_id, "tok": c.token}).first()
-        if row is None:
+        if not store.cancel_step(s, step_id=c.step_id, token=c.token):
             raise LeaseLost(f"step {c.step_id}: lease lost, cancel not recorded")
         close_attempt(s, c, Outcome.CANCELED)
         return Outcome.CANCELED, chain.finalize_cancel(s, c.run_id)
@@ -97,10 +88,7 @@ def commit_or_refuse(fn: Commit, *args: Any) -> tuple[str, list[Dispatch]]:
 
 def close_attempt(s: Session, c: Claim, outcome: Outcome, err: dict[str, Any] | None = None) -> None:
     """The attempt record gets its outcome (`step_attempt` is an audit log, never a timeline)."""
-    s.execute(
-        sql.CLOSE_ATTEMPT,
-        {"outcome": outcome, "error": json.dumps(err) if err else None, "id": c.step_id, "tok": c.token},
-    )
+    store.close_attempt(s, step_id=c.step_id, token=c.token, outcome=outcome, err=err)
 
 
 def commit_deadline(c: Claim, exc: BaseException) -> tuple[str, list[Dispatch]]:
@@ -108,11 +96,7 @@ def commit_deadline(c: Claim, exc: BaseException) -> tuple[str, list[Dispatch]]:
     ends `failed` with `DeadlineExceeded`, with its compensation (`chain.expire_run`)."""
     err = error_payload(exc)
     with db.transaction() as s:
-        row = s.execute(
-            sql.FAIL_OR_RETRY,
-            {"final": True, "delay": 0.0, "err": json.dumps(err), "id": c.step_id, "tok": c.token},
-        ).first()
-        if row is None:
+        if not store.fail_or_retry(s, step_id=c.step_id, token=c.token, final=True, delay=0.0, err=err):
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, deadline not recorded")
         close_attempt(s, c, Outcome.FAILED, err)
         return Outcome.FAILED, chain.expire_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
@@ -121,7 +105,7 @@ def commit_deadline(c: Claim, exc: BaseException) -> tuple[str, list[Dispatch]]:
 def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> list[Dispatch]:
     """The run becomes a dead letter: `failed` with its error; pending siblings stop, its
     unfinished children are canceled and its parent's child step is woken (the messages)."""
-    run = s.execute(sql.FAIL_RUN, {"err": json.dumps(err), "run": run_id}).first()
+    run = store.fail_run(s, run_id, err)
     if run is None:
         return []
     tracing.run_finished(s, run, "failed", run.finished_at)

@@ -33,8 +33,8 @@ from proj.engine.inputs import (
 )
 from proj.engine.port import TaskRunRef, TaskRunView
 from proj.engine.status import RunStatus
-from proj.engine.store import cancels as cancels_sql
-from proj.engine.store import children as children_sql
+from proj.engine.store import cancels as cancels_store
+from proj.engine.store import children as children_store
 from proj.engine.store import runs as store_runs
 from proj.engine.store import waits
 from proj.engine.store.waits import Woken
@@ -72,14 +72,14 @@ def enqueue(
 def get(run_id: uuid.UUID) -> TaskRunView | None:
     """The read-only projection of a run (and of its current step)."""
     with db.transaction() as s:
-        row = s.execute(store_runs.VIEW, {"id": run_id}).first()
+        row = store_runs.view(s, run_id)
     if row is None:
         return None
     return TaskRunView(
         id=row.id,
         kind=row.kind,
         version=row.version,
-        status=RunStatus(row.status),
+        status=row.status,
         current_step=row.current_step,
         attempts=row.step_attempts or 0,
         last_error=row.last_error,
@@ -104,7 +104,7 @@ def find(kind: str, idempotency_key: str) -> TaskRunView | None:
     return get(found[0].id) if found else None
 
 
-def _pending_reason(row: Any) -> str | None:
+def _pending_reason(row: store_runs.RunViewRow) -> str | None:
     """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
     its version picked it up."""
     if row.status not in ("pending", "running") or row.due_at is None:
@@ -113,7 +113,8 @@ def _pending_reason(row: Any) -> str | None:
         return f"scheduled for {row.due_at.isoformat()}"
     if row.blocked_reason:
         return str(row.blocked_reason)
-    waited = (row.db_now - max(row.due_at, row.pending_since)).total_seconds()
+    since = row.due_at if row.pending_since is None else max(row.due_at, row.pending_since)
+    waited = (row.db_now - since).total_seconds()
     if waited > get_settings().republish_after_s:
         return (
             f"not picked up for {waited:.0f}s: is a worker serving {row.kind}@{row.version} "
@@ -129,8 +130,8 @@ def signal(topic: str, payload: Any = None) -> int:
     if len(body) > get_settings().max_input_bytes:
         raise PayloadTooLarge("signal payload too large")
     with db.transaction() as s:
-        s.execute(waits.LOCK_TOPIC, {"topic": topic})
-        s.execute(waits.STORE_SIGNAL, {"topic": topic, "payload": body})
+        waits.lock_topic(s, topic)
+        waits.store_signal(s, topic, body)
         out = woken_dispatches(waits.wake_topic(s, topic))
     # Many waiters on one topic travel WAKE_BATCH to a message (`dispatch.batched`).
     dispatch.publish_after_commit(dispatch.batched(out, dispatch.wake_batch_size()))
@@ -174,9 +175,9 @@ def result(run_id: uuid.UUID, timeout_s: float) -> Any:
     deadline = time.monotonic() + float(timeout_s)
     wanted = str(run_id)
     with psycopg.connect(_conninfo(), autocommit=True, application_name="proj-result") as conn:
-        conn.execute(children_sql.LISTEN)
+        children_store.listen(conn)
         while True:
-            row = conn.execute(children_sql.RUN_OUTCOME, {"id": run_id}).fetchone()
+            row = children_store.run_outcome(conn, run_id)
             if row is None:
                 raise KeyError(f"no run {run_id}")
             status, value, last_error, reason = row
@@ -205,11 +206,11 @@ def _conninfo() -> str:
 def retry_failed(run_id: uuid.UUID) -> int:
     """Operator decision on a dead letter: retry from the failed step(s) with fresh attempts."""
     with db.transaction() as s:
-        run = s.execute(cancels_sql.LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
-        if run is None or run.status != "failed":
+        run = cancels_store.lock_run_to_cancel(s, run_id)
+        if run is None or run.status != RunStatus.FAILED:
             return 0
-        rows = s.execute(cancels_sql.RETRY_FAILED_STEPS, {"id": run_id}).all()
-        s.execute(cancels_sql.REOPEN_FAILED_RUN, {"id": run_id})
+        rows = cancels_store.retry_failed_steps(s, run_id)
+        cancels_store.reopen_failed_run(s, run_id)
     dispatch.publish_after_commit([step_dispatch(r.id, run.kind, run.version, r.name) for r in rows])
     return len(rows)
 
@@ -218,7 +219,7 @@ def abandon(run_id: uuid.UUID, reason: str) -> None:
     """Operator decision on a dead letter: give up, with the kind's compensation."""
     check_reason(reason)
     with db.transaction() as s:
-        s.execute(cancels_sql.ABANDON_FAILED_RUN, {"reason": f"abandoned: {reason}"[:2000], "id": run_id})
+        cancels_store.abandon_failed_run(s, run_id, f"abandoned: {reason}"[:2000])
         out = finalize_cancel(s, run_id)
     dispatch.publish_after_commit(out)
 

@@ -18,7 +18,7 @@ from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost
 from proj.engine.kind import Kind, WaitSpec
 from proj.engine.status import Outcome
-from proj.engine.store import waits as sql
+from proj.engine.store import waits as store
 
 
 def run_wait(
@@ -33,7 +33,7 @@ def run_wait(
     if spec.until is not None:
         until = spec.until(ctx)
         with db.transaction() as s:
-            reached = bool(s.scalar(sql.REACHED, {"until": until}))
+            reached = store.reached(s, until)
         if reached:
             return Outcome.SUCCEEDED, commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
         return park(c, topic, until=until)
@@ -43,7 +43,7 @@ def run_wait(
             return Outcome.SUCCEEDED, commit_success(c, kind, value, carry=carry)
     else:
         with db.transaction() as s:
-            sig = s.execute(sql.LATEST_SIGNAL, {"topic": topic}).first()
+            sig = store.latest_signal(s, topic)
         if sig is not None:
             return Outcome.SUCCEEDED, commit_success(c, kind, {"signal": sig.payload}, carry=carry)
     timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
@@ -60,8 +60,8 @@ def park(
     back: it does not count against the retry policy.
     """
     with db.transaction() as s:
-        s.execute(sql.LOCK_TOPIC, {"topic": topic})
-        raced = bool(s.scalar(sql.SIGNAL_SINCE, {"topic": topic, "since": c.claimed_at}))
+        store.lock_topic(s, topic)
+        raced = store.signal_since(s, topic, c.claimed_at)
         if park_in(s, c, topic, raced=raced, timeout_s=timeout_s, until=until):
             return Outcome.RECHECKING, [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
     return Outcome.WAITING, []
@@ -78,22 +78,20 @@ def park_in(
 ) -> bool:
     """Park the step in the caller's transaction (which holds the topic's lock); True when a
     raced signal sends it straight back to work instead (the caller publishes it)."""
-    row = s.execute(
-        sql.PARK,
-        {
-            "raced": raced,
-            "topic": topic,
-            "since": c.claimed_at,
-            "until": until,
-            "timeout": timeout_s or 0.0,
-            "id": c.step_id,
-            "tok": c.token,
-        },
-    ).first()
-    if row is None:
+    parked = store.park(
+        s,
+        step_id=c.step_id,
+        token=c.token,
+        topic=topic,
+        since=c.claimed_at,
+        until=until,
+        timeout_s=timeout_s or 0.0,
+        raced=raced,
+    )
+    if not parked:
         raise LeaseLost(f"step {c.step_id}: lease lost while parking")
     close_attempt(s, c, Outcome.PARKED)
     if raced:
         return True
-    s.execute(sql.RUN_WAITING, {"run": c.run_id})
+    store.run_waiting(s, c.run_id)
     return False

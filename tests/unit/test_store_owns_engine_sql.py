@@ -1,6 +1,11 @@
 """`proj/engine/store/` holds every statement on `engine.*` (DESIGN §7): a statement on the
 engine's tables anywhere else in `proj/` (the engine's other modules, admin, CLI, demo, kinds,
-acquisition) fails this test. Migrations, the schema's history, live outside `proj/`."""
+acquisition) fails this test. Migrations, the schema's history, live outside `proj/`.
+
+The engine's other modules go further: they never execute a store statement themselves, they
+call the store's named, typed functions (`store.claims.claim`, `store.commits.fail_run`, ...).
+The operators' read models (admin, demo) still execute `store.views` statements; that list
+may only shrink."""
 
 from __future__ import annotations
 
@@ -28,6 +33,77 @@ def offenders() -> set[str]:
         for p in (ROOT / "proj").rglob("*.py")
         if store not in p.parents and holds_engine_sql(p)
     }
+
+
+STORE = "proj.engine.store"
+EXECUTES = {"execute", "scalar", "scalars", "first", "all", "one"}
+# Modules outside the engine that still execute a store statement (the operators' read models).
+STILL_EXECUTING = {
+    "proj/admin/app.py",
+    "proj/admin/queries.py",
+    "proj/demo/acquisition_demo.py",
+    "proj/demo/engine_demo.py",
+}
+
+
+def executed_store_statements(path: Path) -> set[str]:
+    """Store constants this module hands to `.execute()` and its kin itself (`sql.CLAIM`, or a
+    `CLAIM` imported from a store module), as `alias.NAME`."""
+    tree = ast.parse(path.read_text())
+    modules: set[str] = set()  # names bound to a store module
+    constants: set[str] = set()  # names bound to a store module's constant
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                bound = a.asname or a.name
+                if node.module == STORE:
+                    modules.add(bound)
+                elif node.module.startswith(STORE + ".") and a.name.isupper():
+                    constants.add(bound)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+            continue
+        if node.func.attr not in EXECUTES:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id in modules:
+            found.add(f"{arg.value.id}.{arg.attr}")
+        elif isinstance(arg, ast.Name) and arg.id in constants:
+            found.add(arg.id)
+    return found
+
+
+def executors() -> dict[str, set[str]]:
+    store = ROOT / "proj" / "engine" / "store"
+    out = {}
+    for p in (ROOT / "proj").rglob("*.py"):
+        if store not in p.parents and (found := executed_store_statements(p)):
+            out[str(p.relative_to(ROOT))] = found
+    return out
+
+
+def test_the_engine_calls_the_store_instead_of_executing_its_statements() -> None:
+    engine = {p: names for p, names in executors().items() if p.startswith("proj/engine/")}
+    assert engine == {}
+
+
+def test_only_the_listed_read_models_still_execute_store_statements() -> None:
+    assert set(executors()) <= STILL_EXECUTING
+
+
+def test_the_scan_sees_an_executed_store_statement(tmp_path: Path) -> None:
+    """The check itself can fail: both spellings of executing a store constant are caught."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from proj.engine.store import claims as sql\n"
+        "from proj.engine.store.waits import PARK\n"
+        "def f(s, conn):\n"
+        "    s.execute(sql.CLAIM, {})\n"
+        "    conn.first(PARK, {})\n"
+        "    sql.claim(conn, step_id=1)\n"
+    )
+    assert executed_store_statements(planted) == {"sql.CLAIM", "PARK"}
 
 
 def test_no_module_outside_the_store_holds_engine_sql() -> None:

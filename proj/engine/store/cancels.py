@@ -3,25 +3,35 @@
 `REQUEST_CANCEL` only records the request; a running step is never killed. `FINALIZE` moves a
 run whose request is recorded to `canceled` once no step holds a live lease: every open step
 (pending, waiting, or running with an expired lease) becomes `canceled` with its lease cleared,
-the one way a step is canceled outside its own fenced commit (`commits.CANCEL_STEP`).
+the one way a step is canceled outside its own fenced commit (`commits.cancel_step`).
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`cancel_run`: `CANCEL_RUN`).
+
+| function | from | to |
 |---|---|---|
-| `LOCK_RUN_TO_CANCEL` | | run row locked |
-| `REQUEST_CANCEL` | run live | `cancel_requested_at` set (kept if set), reason |
-| `LIVE_LEASES` | | steps running under a live lease (a cancel waits for them) |
-| `CANCEL_OPEN_STEPS` | steps pending, waiting, running | canceled, lease cleared |
-| `CANCEL_RUN` | run live | canceled |
-| `RETRY_FAILED_STEPS` | run failed: its failed/pending steps | pending, fresh attempts |
-| `REOPEN_FAILED_RUN` | run failed | running |
-| `ABANDON_FAILED_RUN` | run failed | running with a cancel request (then `FINALIZE`, compensation) |
+| `lock_run_to_cancel` | | run row locked |
+| `request_cancel` | run live | `cancel_requested_at` set (kept if set), reason |
+| `live_leases` | | steps running under a live lease (a cancel waits for them) |
+| `cancel_open_steps` | steps pending, waiting, running | canceled, lease cleared |
+| `cancel_run` | run live | canceled |
+| `retry_failed_steps` | run failed: its failed/pending steps | pending, fresh attempts |
+| `reopen_failed_run` | run failed | running |
+| `abandon_failed_run` | run failed | running with a cancel request (then finalized, compensation) |
 
 Proofs: `tests/integration/test_waits_cancel.py`, `tests/integration/test_admin.py`.
 """
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime
+from typing import Any, NamedTuple
+
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj.engine.status import RunStatus
+from proj.engine.store.rows import StepRef, changed
 
 LOCK_RUN_TO_CANCEL = text(
     """
@@ -82,3 +92,70 @@ ABANDON_FAILED_RUN = text(
      WHERE id = :id AND status = 'failed'
     """
 )
+
+
+class RunToCancel(NamedTuple):
+    """The run row locked for a cancel: what the cancel hook, the span and the compensation need."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    input: dict[str, Any]
+    status: RunStatus
+    cancel_reason: str | None
+    trace: dict[str, Any] | None
+    created_at: datetime
+    parent_run_id: uuid.UUID | None
+
+
+class CanceledRun(NamedTuple):
+    finished_at: datetime
+    parent_run_id: uuid.UUID | None
+
+
+def lock_run_to_cancel(s: Session, run_id: uuid.UUID) -> RunToCancel | None:
+    """Lock the run row (None: no such run)."""
+    r = s.execute(LOCK_RUN_TO_CANCEL, {"id": run_id}).first()
+    if r is None:
+        return None
+    status = RunStatus(r.status)
+    return RunToCancel(
+        r.id, r.kind, r.version, r.input, status, r.cancel_reason, r.trace, r.created_at, r.parent_run_id
+    )
+
+
+def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> bool:
+    """Record the request on a live run; False: the run had finished."""
+    return changed(s.execute(REQUEST_CANCEL, {"reason": reason, "id": run_id})) > 0
+
+
+def live_leases(s: Session, run_id: uuid.UUID) -> int:
+    """The run's steps running under a live lease: a cancel waits for them to stop."""
+    return int(s.scalar(LIVE_LEASES, {"id": run_id}) or 0)
+
+
+def cancel_open_steps(s: Session, run_id: uuid.UUID) -> int:
+    """Cancel every open step of the run (leases cleared); how many."""
+    return changed(s.execute(CANCEL_OPEN_STEPS, {"id": run_id}))
+
+
+def cancel_run(s: Session, run_id: uuid.UUID) -> CanceledRun | None:
+    """The live run ends `canceled`; None: it had finished (nothing written)."""
+    r = s.execute(CANCEL_RUN, {"id": run_id}).first()
+    return None if r is None else CanceledRun(r.finished_at, r.parent_run_id)
+
+
+def retry_failed_steps(s: Session, run_id: uuid.UUID) -> list[StepRef]:
+    """The failed run's failed and pending steps get fresh attempts; returns them (to send)."""
+    return [StepRef(*r) for r in s.execute(RETRY_FAILED_STEPS, {"id": run_id})]
+
+
+def reopen_failed_run(s: Session, run_id: uuid.UUID) -> bool:
+    """The failed run is `running` again; False: it was not failed."""
+    return changed(s.execute(REOPEN_FAILED_RUN, {"id": run_id})) > 0
+
+
+def abandon_failed_run(s: Session, run_id: uuid.UUID, reason: str) -> bool:
+    """The failed run is `running` with a cancel request (finalizing it compensates); False:
+    it was not failed."""
+    return changed(s.execute(ABANDON_FAILED_RUN, {"reason": reason, "id": run_id})) > 0

@@ -4,16 +4,19 @@ The guard `id = :id AND lease_token = :tok AND status = 'running'` sits in each 
 no row back means another attempt owns the step now and the commit is refused, with nothing
 written (`tests/faults/test_engine_faults.py`, `tests/integration/test_inline.py`).
 
-| statement | step from → to | run |
+Each function runs the statement named like it in capitals (`fail_run`: `FAIL_RUN`); a
+fenced one returns None or False when the commit was refused.
+
+| function | step from → to | run |
 |---|---|---|
-| `SUCCEED_AND_LOCK_RUN` | running → succeeded (result) | row locked for the advance |
-| `SUCCEED_AND_CLAIM_NEXT` | running → succeeded; next stage's single step inserted running | pointer moved |
-| `SUCCEED_AND_FINISH` | running → succeeded | → succeeded with the result |
-| `FAIL_OR_RETRY` | running → failed (final) or pending after a backoff | |
-| `RECORD_RETRY_ERROR` | | `last_error` of the retried attempt |
-| `CANCEL_STEP` | running → canceled (the body stopped on a cancel request) | |
-| `FAIL_RUN` | | live → failed (a dead letter) |
-| `CLOSE_ATTEMPT` | its attempt record gets its outcome | |
+| `succeed_and_lock_run` | running → succeeded (result) | row locked for the advance |
+| `succeed_and_claim_next` | running → succeeded; next stage's single step inserted running | pointer moved |
+| `succeed_and_finish` | running → succeeded | → succeeded with the result |
+| `fail_or_retry` | running → failed (final) or pending after a backoff | |
+| `record_retry_error` | | `last_error` of the retried attempt |
+| `cancel_step` | running → canceled (the body stopped on a cancel request) | |
+| `fail_run` | | live → failed (a dead letter) |
+| `close_attempt` | its attempt record gets its outcome | |
 
 The two one-statement commits (`SUCCEED_AND_*`) are a linear chain's fast path in autocommit:
 they write only when the run is where a plain advance expects it (its stage, no cancel asked,
@@ -25,7 +28,17 @@ run with a parent to the general path, which stores the parent's wake-up signal
 
 from __future__ import annotations
 
+import json
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, NamedTuple
+
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine.store.stages import EndedRun, LockedRun, NextStep
 
 SUCCEED_AND_LOCK_RUN = text(
     """
@@ -162,3 +175,73 @@ FAIL_RUN = text(
               pg_notify('engine_run_finished', id::text)::text AS notified
     """
 )
+
+
+class SucceededAndClaimed(NamedTuple):
+    """`succeed_and_claim_next` landed: the step succeeded; `next_id` is the next step claimed
+    for this process (None: it existed already, and is someone else's to run)."""
+
+    id: int
+    next_id: int | None
+    claimed_at: datetime | None
+
+
+def succeed_and_lock_run(s: Session, *, step_id: int, token: uuid.UUID, result: str) -> LockedRun | None:
+    """Store the step's `result` (JSON) and lock its run for the advance; None: refused."""
+    row = s.execute(SUCCEED_AND_LOCK_RUN, {"id": step_id, "tok": token, "result": result}).first()
+    return None if row is None else LockedRun.of(row)
+
+
+def succeed_and_claim_next(
+    conn: db.Autocommit, *, step_id: int, token: uuid.UUID, stage: int, result: str, next_step: NextStep
+) -> SucceededAndClaimed | None:
+    """The one-statement commit of a step whose next stage is one plain step for this process;
+    None: refused, or the run is not where a plain advance expects it (nothing written)."""
+    params = {"id": step_id, "tok": token, "stage": stage, "result": result, **next_step.params()}
+    row = conn.first(SUCCEED_AND_CLAIM_NEXT, params)
+    return None if row is None else SucceededAndClaimed(*row)
+
+
+def succeed_and_finish(
+    conn: db.Autocommit, *, step_id: int, token: uuid.UUID, stage: int, result: str, end_stage: int
+) -> EndedRun | None:
+    """The one-statement commit of a run's last step: the run succeeds with `result`; None:
+    refused, or the run is not where a plain finish expects it (nothing written)."""
+    params = {"id": step_id, "tok": token, "stage": stage, "result": result, "end_stage": end_stage}
+    r = conn.first(SUCCEED_AND_FINISH, params)
+    return (
+        None if r is None else EndedRun(r.id, r.kind, r.version, r.trace, r.created_at, r.finished_at, None)
+    )
+
+
+def fail_or_retry(
+    s: Session, *, step_id: int, token: uuid.UUID, final: bool, delay: float, err: Mapping[str, Any]
+) -> bool:
+    """The attempt failed: the step fails (`final`) or waits `delay` seconds for its next
+    attempt; False: refused (nothing written)."""
+    params = {"final": final, "delay": delay, "err": json.dumps(err), "id": step_id, "tok": token}
+    return s.execute(FAIL_OR_RETRY, params).first() is not None
+
+
+def record_retry_error(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> None:
+    """Show the retried attempt's error on its run."""
+    s.execute(RECORD_RETRY_ERROR, {"err": json.dumps(err), "run": run_id})
+
+
+def cancel_step(s: Session, *, step_id: int, token: uuid.UUID) -> bool:
+    """The body stopped on a cancel request: the step is canceled; False: refused."""
+    return s.execute(CANCEL_STEP, {"id": step_id, "tok": token}).first() is not None
+
+
+def close_attempt(
+    s: Session, *, step_id: int, token: uuid.UUID, outcome: str, err: Mapping[str, Any] | None
+) -> None:
+    """The attempt record of `token` gets its outcome (and error)."""
+    params = {"outcome": outcome, "error": json.dumps(err) if err else None, "id": step_id, "tok": token}
+    s.execute(CLOSE_ATTEMPT, params)
+
+
+def fail_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> EndedRun | None:
+    """The run becomes a dead letter with `err`; None: it had finished already."""
+    r = s.execute(FAIL_RUN, {"err": json.dumps(err), "run": run_id}).first()
+    return None if r is None else EndedRun(*r[:7])

@@ -4,6 +4,11 @@ kind and idempotency key).
 Business code (acquisition, admin, CLI) names its runs by key (`acquire:<request id>`), never
 by reading `engine.task_run` itself; this is that read, in the caller's transaction when it has
 one. `(kind, idempotency_key)` is unique for all time (invariant 5), so a pair names one run.
+
+| function | reads |
+|---|---|
+| `view` (`VIEW`) | one run, with what its current stage's steps say, and the database's clock |
+| `find_by_keys` (`FIND_BY_KEYS`) | the runs named by `(kind, idempotency_key)` pairs |
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -36,6 +41,62 @@ VIEW = text(
      WHERE r.id = :id
     """
 )
+
+
+class RunViewRow(NamedTuple):
+    """`VIEW`'s row: the run, and its current stage's attempts, wait and pending reason."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    status: RunStatus
+    current_step: str | None
+    step_attempts: int | None
+    last_error: dict[str, Any] | None
+    result: Any
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    cancel_requested_at: datetime | None
+    wait_topic: str | None
+    wait_until: datetime | None
+    parent_run_id: uuid.UUID | None
+    deadline_at: datetime | None
+    pending_since: datetime | None
+    due_at: datetime | None
+    blocked_reason: str | None
+    db_now: datetime
+
+
+def view(s: Session, run_id: uuid.UUID) -> RunViewRow | None:
+    """The port's view of one run (None: no such run)."""
+    r = s.execute(VIEW, {"id": run_id}).first()
+    if r is None:
+        return None
+    return RunViewRow(
+        id=r.id,
+        kind=r.kind,
+        version=r.version,
+        status=RunStatus(r.status),
+        current_step=r.current_step,
+        step_attempts=r.step_attempts,
+        last_error=r.last_error,
+        result=r.result,
+        created_at=r.created_at,
+        updated_at=r.updated_at,
+        started_at=r.started_at,
+        finished_at=r.finished_at,
+        cancel_requested_at=r.cancel_requested_at,
+        wait_topic=r.wait_topic,
+        wait_until=r.wait_until,
+        parent_run_id=r.parent_run_id,
+        deadline_at=r.deadline_at,
+        pending_since=r.pending_since,
+        due_at=r.due_at,
+        blocked_reason=r.blocked_reason,
+        db_now=r.db_now,
+    )
 
 
 class RunByKey(NamedTuple):

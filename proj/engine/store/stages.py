@@ -1,14 +1,17 @@
 """Runs and their stages: creating a run with its first stage, advancing to the next stage
 under the run row lock (the fan-in is counted there), and finishing a run.
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`insert_run`: `INSERT_RUN`).
+
+| function | from | to |
 |---|---|---|
-| `INSERT_RUN` | no run of `(kind, key)` | run and its first stage's steps pending (no row: key taken) |
-| `LOCK_RUN` | | run row locked for the advance |
-| `OPEN_IN_STAGE` | | how many steps of the stage have not succeeded (0: advance) |
-| `CREATE_STAGE` | run at stage n-1 | stage n's steps pending, the run pointed at n |
-| `CLAIM_NEXT` | run at stage n-1 | stage n's single step inserted running for this process |
-| `FINISH_RUN` | run live | succeeded, with its result (the one place a run succeeds in a transaction) |
+| `insert_run` | no run of `(kind, key)` | run and its first stage's steps pending (None: key taken) |
+| `existing_run` | | the run a taken key names, with its input hash |
+| `lock_run` | | run row locked for the advance |
+| `open_in_stage` | | how many steps of the stage have not succeeded (0: advance) |
+| `create_stage` | run at stage n-1 | stage n's steps pending, the run pointed at n |
+| `claim_next` | run at stage n-1 | stage n's single step inserted running for this process |
+| `finish_run` | run live | succeeded, with its result (the one place a run succeeds in a transaction) |
 
 `INSERT_RUN` also records the run's parent (a child step's run) and its deadline: the earliest of
 `deadline_at`, the parent's deadline (a child inherits it) and `now() + deadline_s` of its kind,
@@ -23,7 +26,15 @@ often its predecessor's commit is retried. Proofs: `tests/integration/test_engin
 
 from __future__ import annotations
 
+import uuid
+from datetime import datetime
+from typing import Any, NamedTuple
+
 from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from proj.engine.status import RunStatus
+from proj.engine.store.rows import StepRef
 
 # The run and its first stage in one statement (the step arrays come from `chain.stage_rows`;
 # an empty first stage inserts the run alone). No row back: the key names an existing run.
@@ -126,3 +137,190 @@ FINISH_RUN = text(
               pg_notify('engine_run_finished', id::text)::text AS notified
     """
 )
+
+
+class StageRows(NamedTuple):
+    """A stage's step rows as the array parameters of `INSERT_RUN`/`CREATE_STAGE`: one entry per
+    static step, or one per item of a fan-out (none for an empty one)."""
+
+    names: list[str]
+    idxs: list[int]
+    items: list[str | None]  # each item as JSON (None: a static step)
+    maxs: list[int]
+
+
+class NewRun(NamedTuple):
+    """What `insert_run` writes: the run's row (`run_id`, ...) and its first stage."""
+
+    run_id: uuid.UUID
+    kind: str
+    version: int
+    idempotency_key: str
+    input_json: str
+    input_hash: str
+    priority: int
+    concurrency_key: str | None
+    available_at: datetime | None
+    trace_json: str | None
+    label: str
+    parent_run_id: uuid.UUID | None
+    deadline_at: datetime | None
+    inherited_deadline: datetime | None
+    deadline_s: float | None
+
+
+class ExistingRun(NamedTuple):
+    id: uuid.UUID
+    input_hash: str
+
+
+class LockedRun(NamedTuple):
+    """The run row locked for an advance (`LOCK_RUN`, `commits.SUCCEED_AND_LOCK_RUN`: the same
+    columns in the same order)."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    input: dict[str, Any]
+    status: RunStatus
+    current_stage: int
+    cancel_requested_at: datetime | None
+    priority: int
+    trace: dict[str, Any] | None
+    created_at: datetime
+    past_deadline: bool
+
+    @classmethod
+    def of(cls, r: Any) -> LockedRun:
+        return cls(
+            r.id,
+            r.kind,
+            r.version,
+            r.input,
+            RunStatus(r.status),
+            r.current_stage,
+            r.cancel_requested_at,
+            r.priority,
+            r.trace,
+            r.created_at,
+            r.past_deadline,
+        )
+
+
+class NextStep(NamedTuple):
+    """The next stage's single step, to insert claimed under `token` for this process
+    (`attempts.Carry`): `CLAIM_NEXT` and `commits.SUCCEED_AND_CLAIM_NEXT`."""
+
+    run_id: uuid.UUID
+    stage: int
+    name: str
+    label: str
+    max_attempts: int
+    token: uuid.UUID
+    owner: str
+    ttl: float
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "run": self.run_id,
+            "next_stage": self.stage,
+            "next_name": self.name,
+            "next_label": self.label,
+            "next_max": self.max_attempts,
+            "next_tok": self.token,
+            "owner": self.owner,
+            "ttl": self.ttl,
+        }
+
+
+class ClaimedNext(NamedTuple):
+    id: int
+    claimed_at: datetime
+
+
+class EndedRun(NamedTuple):
+    """A run that just finished (succeeded or failed): what its span and its parent need."""
+
+    id: uuid.UUID
+    kind: str
+    version: int
+    trace: dict[str, Any] | None
+    created_at: datetime
+    finished_at: datetime
+    parent_run_id: uuid.UUID | None
+
+
+def insert_run(s: Session, run: NewRun, first: StageRows, *, due: bool) -> list[StepRef] | None:
+    """Insert the run and its first stage (published now if `due`); None: the key names a run
+    already (nothing written). The steps come back in item order (none: an empty stage)."""
+    rows = s.execute(
+        INSERT_RUN,
+        {
+            "run": run.run_id,
+            "kind": run.kind,
+            "version": run.version,
+            "key": run.idempotency_key,
+            "input": run.input_json,
+            "hash": run.input_hash,
+            "priority": run.priority,
+            "ckey": run.concurrency_key,
+            "at": run.available_at,
+            "trace": run.trace_json,
+            "stage": 0,
+            "label": run.label,
+            **first._asdict(),
+            "due": due,
+            "parent": run.parent_run_id,
+            "deadline": run.deadline_at,
+            "inherited": run.inherited_deadline,
+            "deadline_s": run.deadline_s,
+        },
+    ).all()
+    if not rows:
+        return None
+    return [StepRef(r.id, r.name) for r in rows if r.id is not None]
+
+
+def existing_run(s: Session, kind: str, key: str) -> ExistingRun:
+    """The run `(kind, key)` names (the caller's insert found the key taken)."""
+    r = s.execute(EXISTING_RUN, {"kind": kind, "key": key}).one()
+    return ExistingRun(r.id, r.input_hash)
+
+
+def lock_run(s: Session, run_id: uuid.UUID) -> LockedRun | None:
+    """Lock the run row for an advance (the fan-in is counted under it)."""
+    row = s.execute(LOCK_RUN, {"id": run_id}).first()
+    return None if row is None else LockedRun.of(row)
+
+
+def open_in_stage(s: Session, run_id: uuid.UUID, stage: int) -> int:
+    """Steps of the stage not succeeded yet, seen after the run lock (0: the stage is complete)."""
+    return int(s.scalar(OPEN_IN_STAGE, {"id": run_id, "stage": stage}) or 0)
+
+
+def create_stage(
+    s: Session,
+    *,
+    run_id: uuid.UUID,
+    stage: int,
+    label: str,
+    rows: StageRows,
+    available_at: datetime | None,
+    due: bool,
+) -> list[StepRef]:
+    """Insert the stage's steps (published now if `due`) and point the run at it; returns the
+    steps inserted (one existing already is left alone)."""
+    params = {"run": run_id, "stage": stage, "label": label, **rows._asdict(), "at": available_at, "due": due}
+    return [StepRef(*r) for r in s.execute(CREATE_STAGE, params)]
+
+
+def claim_next(s: Session, step: NextStep) -> ClaimedNext | None:
+    """Insert the next stage's single step claimed under `step.token`; None: it exists already."""
+    row = s.execute(CLAIM_NEXT, step.params()).first()
+    return None if row is None else ClaimedNext(*row)
+
+
+def finish_run(s: Session, run_id: uuid.UUID, *, result: str, end_stage: int) -> EndedRun | None:
+    """The run succeeded with `result` (JSON); None: it was not live (nothing written)."""
+    r = s.execute(FINISH_RUN, {"result": result, "end_stage": end_stage, "id": run_id}).first()
+    return None if r is None else EndedRun(*r[:7])

@@ -7,22 +7,29 @@ a signal racing a park is never lost. Each wake is one statement: the parked ste
 `running` again, in one round trip. Only steps still `waiting` move (the guard in the WHERE
 clause). Proofs: `tests/integration/test_waits_cancel.py`, `tests/integration/test_wake_batches.py`.
 
-| statement | from | to |
+Each function runs the statement named like it in capitals (`park`: `PARK`).
+
+| function | from | to |
 |---|---|---|
-| `STORE_SIGNAL` | | a signal row (kept until purged) |
-| `PARK` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
-| `RUN_WAITING` | run running, no step running or pending | waiting |
-| `WAKE_TOPIC` | steps waiting on the topic | pending, published; runs running |
-| `WAKE_DUE_TIMERS` | steps waiting past `wait_until` | pending, published; runs running |
+| `lock_topic` | | the topic's advisory lock, held to the commit |
+| `store_signal` | | a signal row (kept until purged) |
+| `latest_signal`, `signal_since`, `reached` | | the newest signal, one since a time, a timer due |
+| `park` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
+| `run_waiting` | run running, no step running or pending | waiting |
+| `wake_topic` | steps waiting on the topic | pending, published; runs running |
+| `wake_due_timers` | steps waiting past `wait_until` | pending, published; runs running |
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import NamedTuple
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
+
+from proj.engine.store.rows import changed
 
 LOCK_TOPIC = text("SELECT pg_advisory_xact_lock(hashtext(:topic))")
 
@@ -120,3 +127,63 @@ def wake_topic(s: Session, topic: str) -> list[Woken]:
 def wake_due_timers(s: Session, limit: int) -> list[Woken]:
     """Wake up to `limit` steps whose `wait_until` has passed (the sweeper's timer pass)."""
     return [Woken(*row) for row in s.execute(WAKE_DUE_TIMERS, {"limit": limit}).all()]
+
+
+class Signal(NamedTuple):
+    payload: Any  # the stored JSON (None for a signal sent without one)
+
+
+def lock_topic(s: Session, topic: str) -> None:
+    """Serialise signals and parks of `topic` to the commit (no signal lost to a racing park)."""
+    s.execute(LOCK_TOPIC, {"topic": topic})
+
+
+def store_signal(s: Session, topic: str, payload: str) -> None:
+    """Store a signal of `topic` with `payload` (JSON), before anyone is woken."""
+    s.execute(STORE_SIGNAL, {"topic": topic, "payload": payload})
+
+
+def latest_signal(s: Session, topic: str) -> Signal | None:
+    """The newest signal of `topic` (None: none was ever stored, or it was purged)."""
+    row = s.execute(LATEST_SIGNAL, {"topic": topic}).first()
+    return None if row is None else Signal(row.payload)
+
+
+def signal_since(s: Session, topic: str, since: datetime) -> bool:
+    """Whether a signal of `topic` was stored at or after `since` (under the topic's lock)."""
+    return bool(s.scalar(SIGNAL_SINCE, {"topic": topic, "since": since}))
+
+
+def reached(s: Session, until: datetime) -> bool:
+    """Whether the database's clock has reached `until`."""
+    return bool(s.scalar(REACHED, {"until": until}))
+
+
+def park(
+    s: Session,
+    *,
+    step_id: int,
+    token: uuid.UUID,
+    topic: str,
+    since: datetime,
+    until: datetime | None,
+    timeout_s: float,
+    raced: bool,
+) -> bool:
+    """Park the step on `topic` until a signal or its timer (`until`, else now + `timeout_s`),
+    or send it straight back to work when a signal `raced` the park; False: refused."""
+    params = {
+        "raced": raced,
+        "topic": topic,
+        "since": since,
+        "until": until,
+        "timeout": timeout_s,
+        "id": step_id,
+        "tok": token,
+    }
+    return s.execute(PARK, params).first() is not None
+
+
+def run_waiting(s: Session, run_id: uuid.UUID) -> bool:
+    """The run shows `waiting` if none of its steps runs or is pending; False: it does not."""
+    return changed(s.execute(RUN_WAITING, {"run": run_id})) > 0
