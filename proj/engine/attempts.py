@@ -1,6 +1,10 @@
-"""What one attempt of a step carries through the engine: its claim, and the leave to claim the
-run's next step inline (`Carry`). Shared by the execute ladder (`protocol`), the commits and the
-chain, which is why it is a module of its own."""
+"""What one attempt of a step carries through the engine: its claim, the leave to claim the
+run's next step inline (`Carry`), and what its commit hands back (`Committed`, `AttemptEnd`).
+Shared by the execute ladder (`protocol`), the commits and the chain, which is why it is a
+module of its own.
+
+Control comes back through return values only: a commit returns the messages to publish and
+the next step it claimed, and nothing is left on a shared object for the ladder to read back."""
 
 from __future__ import annotations
 
@@ -9,11 +13,13 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic_core import to_jsonable_python
 
+from proj.engine.dispatch import Dispatch
 from proj.engine.liveness import LIVENESS
+from proj.engine.status import Outcome
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class Claim:
     deadline_at: datetime | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Carry:
     """Leave to claim the run's next step inside the committing transaction and run it here.
 
@@ -48,11 +54,32 @@ class Carry:
     `running` under a fresh lease token (with its attempt record), so it needs no message and no
     second claim. Fencing is unchanged: the lease is taken in the transaction that commits the
     previous step, and a crash leaves a running step whose lease expires for the sweeper.
+    Pure input: the claim taken under it comes back in the commit's `Committed.next`.
     """
 
     parent: Claim
     token: uuid.UUID = field(default_factory=uuid.uuid4)
-    claim: Claim | None = None
+
+
+class Committed(NamedTuple):
+    """What a committed success hands back: the messages to publish after commit and, under a
+    `Carry`, the run's next step claimed in the same commit for this process to run."""
+
+    publish: list[Dispatch]
+    next: Claim | None = None
+
+
+class AttemptEnd(NamedTuple):
+    """How an attempt ended (`Outcome`), what to publish, and the next step to run inline (only
+    after a committed success under a `Carry`)."""
+
+    outcome: str
+    publish: list[Dispatch]
+    next: Claim | None = None
+
+    @classmethod
+    def succeeded(cls, committed: Committed) -> AttemptEnd:
+        return cls(Outcome.SUCCEEDED, committed.publish, committed.next)
 
 
 def worker_id() -> str:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine import dispatch, tracing
-from proj.engine.attempts import Carry, Claim, to_json, worker_id
+from proj.engine.attempts import Carry, Claim, Committed, to_json, worker_id
 from proj.engine.context import PlanContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import IdempotencyConflict, InvalidInput
@@ -152,7 +152,7 @@ def _insert(
         # With held siblings, item 0 starts the run; the rest go out when it is claimed.
         return ref, out[:1] if kind.holds_start_siblings else out
     for stage in range(1, len(kind.canvas)):  # the first stage was an empty fan-out
-        has_steps, out = create_stage(
+        has_steps, out, _ = create_stage(
             s, run_id, kind, stage, plan, available_at=available_at, priority=priority
         )
         if has_steps:
@@ -171,16 +171,17 @@ def advance(
     run: store.LockedRun | None = None,
     stage: int | None = None,
     carry: Carry | None = None,
-) -> list[Dispatch]:
+) -> Committed:
     """After a step committed: if its stage is complete, start the next one or finish the run.
 
     The run row lock serialises the fan-in, so exactly one committer advances a stage. `run` is
     the run row when the caller locked it already; `stage` the stage of the step it committed.
+    Under `carry`, a next stage of one plain step comes back claimed (`Committed.next`).
     """
     if run is None:
         run = store.lock_run(s, run_id)
     if run is None or run.status in TERMINAL:
-        return []
+        return Committed([])
     kind = get_kind(run.kind, run.version)
     current = kind.canvas[run.current_stage] if run.current_stage < len(kind.canvas) else None
     # A stage of one static step has one row ((run_id, stage, item_index) is unique): if the
@@ -188,20 +189,23 @@ def advance(
     sole = current is not None and current.single
     counted = not (sole and stage == run.current_stage)
     if counted and store.open_in_stage(s, run_id, run.current_stage):
-        return []
+        return Committed([])
     if run.cancel_requested_at is not None:
-        return finalize_cancel(s, run_id)
+        return Committed(finalize_cancel(s, run_id))
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)
     stage = run.current_stage + 1
     if stage < len(kind.canvas) and run.past_deadline:  # no further step starts
-        return expire_run(s, run_id)
+        return Committed(expire_run(s, run_id))
     while stage < len(kind.canvas):
-        has_steps, created = create_stage(s, run_id, kind, stage, plan, priority=run.priority, carry=carry)
+        has_steps, created, claimed = create_stage(
+            s, run_id, kind, stage, plan, priority=run.priority, carry=carry
+        )
         if has_steps:
-            return created
+            return Committed(created, claimed)
         stage += 1  # an empty fan-out: nothing to wait for
     last = kind.canvas[-1]
-    return finish_run(s, run_id, kind, plan.result(last.steps[-1].name) if len(last.steps) == 1 else None)
+    result = plan.result(last.steps[-1].name) if len(last.steps) == 1 else None
+    return Committed(finish_run(s, run_id, kind, result))
 
 
 def finish_run(s: Session, run_id: uuid.UUID, kind: Kind, result: Any) -> list[Dispatch]:
@@ -258,22 +262,25 @@ def create_stage(
     available_at: datetime | None = None,
     priority: int = 0,
     carry: Carry | None = None,
-) -> tuple[bool, list[Dispatch]]:
+) -> tuple[bool, list[Dispatch], Claim | None]:
     """Insert the step rows of `stage` and point the run at it.
 
-    Returns whether the stage has any step (an empty fan-out has none) and what to publish now.
-    A stage of one plain step under `carry` is inserted claimed instead, and published never.
+    Returns whether the stage has any step (an empty fan-out has none), what to publish now, and
+    the claim of a stage of one plain step under `carry`: it is inserted claimed instead, for
+    this process to run, and published never.
     """
     st = kind.canvas[stage]
     inline = carry is not None and carry.parent.run_id == run_id and available_at is None
-    if carry is not None and inline and st.single and _claim_next(s, carry, kind, stage):
-        return True, []
+    if carry is not None and inline and st.single:
+        claimed = _claim_next(s, carry, kind, stage)
+        if claimed is not None:
+            return True, [], claimed
     rows = stage_rows(kind, stage, plan)
     due_now = available_at is None
     inserted = store.create_stage(
         s, run_id=run_id, stage=stage, label=st.label, rows=rows, available_at=available_at, due=due_now
     )
-    return bool(rows.names), stage_dispatches(kind, inserted, priority) if due_now else []
+    return bool(rows.names), stage_dispatches(kind, inserted, priority) if due_now else [], None
 
 
 def stage_dispatches(kind: Kind, inserted: Sequence[StepRef], priority: int) -> list[Dispatch]:
@@ -318,9 +325,9 @@ def _next_step(carry: Carry, kind: Kind, stage: int) -> store.NextStep:
     )
 
 
-def _carried(carry: Carry, nxt: store.NextStep, step_id: int, claimed_at: datetime) -> None:
+def _carried(carry: Carry, nxt: store.NextStep, step_id: int, claimed_at: datetime) -> Claim:
     """The claim of the step inserted under `carry.token`, for this process to run next."""
-    carry.claim = replace(
+    return replace(
         carry.parent,
         step_id=step_id,
         stage=nxt.stage,
@@ -334,17 +341,14 @@ def _carried(carry: Carry, nxt: store.NextStep, step_id: int, claimed_at: dateti
     )
 
 
-def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> bool:
-    """Insert `stage`'s single step already claimed under `carry.token`; False if it exists."""
+def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> Claim | None:
+    """Insert `stage`'s single step already claimed under `carry.token`; None if it exists."""
     nxt = _next_step(carry, kind, stage)
     row = store.claim_next(s, nxt)
-    if row is None:
-        return False
-    _carried(carry, nxt, row.id, row.claimed_at)
-    return True
+    return None if row is None else _carried(carry, nxt, row.id, row.claimed_at)
 
 
-def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> list[Dispatch] | None:
+def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> Committed | None:
     """The commit of a linear chain's step in one statement, in autocommit: one round trip
     instead of four (BEGIN, succeed, advance, COMMIT), most of an inline step's cost.
 
@@ -367,7 +371,7 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
         if run is None:
             return None
         tracing.run_span(run, "succeeded", run.finished_at)
-        return []
+        return Committed([])
     nxt = kind.canvas[following]
     if carry is None or not nxt.single:
         return None
@@ -378,9 +382,9 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> lis
         )
     if row is None:
         return None
-    if row.next_id is not None and row.claimed_at is not None:
-        _carried(carry, next_step, row.next_id, row.claimed_at)
-    return []
+    if row.next_id is None or row.claimed_at is None:
+        return Committed([])  # the next step existed already: not this process' to run
+    return Committed([], _carried(carry, next_step, row.next_id, row.claimed_at))
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,11 +22,10 @@ import os
 import signal
 
 from proj import db
-from proj.engine.attempts import Carry, Claim
+from proj.engine.attempts import AttemptEnd, Carry, Claim
 from proj.engine.chain import insert_run
 from proj.engine.commits import commit_success
 from proj.engine.context import StepContext
-from proj.engine.dispatch import Dispatch
 from proj.engine.errors import BadInput, ChildFailed, ChildRejected
 from proj.engine.kind import ChildSpec, Kind
 from proj.engine.status import TERMINAL, Outcome, RunStatus
@@ -43,7 +42,7 @@ def child_key(c: Claim) -> str:
 
 def run_child(
     c: Claim, ctx: StepContext, kind: Kind, spec: ChildSpec, carry: Carry | None = None
-) -> tuple[str, list[Dispatch]]:
+) -> AttemptEnd:
     """Enqueue the child (or find it) and park until it finishes; commit its result when it has."""
     try:
         child_input = spec.input(ctx)
@@ -74,9 +73,9 @@ def run_child(
     if ref.created and get_settings().fault_kill_after_child_enqueue:
         os.kill(os.getpid(), signal.SIGKILL)  # the child and the park committed, nothing sent
     if parked:
-        return Outcome.WAITING, out
+        return AttemptEnd(Outcome.WAITING, out)
     if child.status == RunStatus.SUCCEEDED:
-        return Outcome.SUCCEEDED, commit_success(c, kind, child.result, carry=carry)
+        return AttemptEnd.succeeded(commit_success(c, kind, child.result, carry=carry))
     canceled = {"type": "Canceled", "message": child.cancel_reason}
     error = child.last_error if child.status == RunStatus.FAILED else canceled
     raise ChildFailed(child.id, child.kind, child.status, error)

@@ -1,6 +1,11 @@
 """The commit decision of an attempt: success, a retry or the end of the run, or a cancel the
 body stopped for. Every commit is fenced by the lease token (invariant 3): a refused one raises
 `LeaseLost` and writes nothing. Statements: `proj.engine.store.commits`.
+
+Each commit returns what the ladder needs next (`attempts.Committed`, `attempts.AttemptEnd`):
+the messages to publish after commit and, for a success under a `Carry`, the next step claimed
+in the same transaction. A success committed inside the body's own transaction
+(`StepContext.finish`) goes through the `InBodyCommit` the ladder hands the context.
 """
 
 from __future__ import annotations
@@ -8,13 +13,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ParamSpec
 
 from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine import chain, tracing
-from proj.engine.attempts import Carry, Claim, error_payload, to_json
+from proj.engine.attempts import AttemptEnd, Carry, Claim, Committed, error_payload, to_json
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost, NonRetryable
 from proj.engine.kind import Kind, RetryPolicy
@@ -23,17 +29,17 @@ from proj.engine.store import commits as store
 
 log = logging.getLogger(__name__)
 
-Commit = Callable[..., tuple[str, list[Dispatch]]]
+P = ParamSpec("P")
 
 
 def commit_success(
     c: Claim, kind: Kind, result: Any, session: Session | None = None, carry: Carry | None = None
-) -> list[Dispatch]:
+) -> Committed:
     """Store the result and advance the run, or refuse if the lease is gone.
 
     With `session` (from `StepContext.finish`), it joins the body's business transaction so
     the writes and the result commit together. With `carry`, a single next step is claimed in
-    the same transaction for this process to run (`Carry`).
+    the same transaction for this process to run (`Committed.next`).
     """
     payload = to_json(result)
     if session is not None:
@@ -45,14 +51,29 @@ def commit_success(
         return _succeed(s, c, payload, carry)
 
 
-def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> list[Dispatch]:
+@dataclass
+class InBodyCommit:
+    """The committer a step body's `StepContext.finish()` calls: the attempt's success joins the
+    body's own transaction. What that commit hands back is kept here for the ladder, which owns
+    this object (`committed` None: the body did not call `finish`)."""
+
+    c: Claim
+    kind: Kind
+    carry: Carry | None = None
+    committed: Committed | None = None
+
+    def commit(self, session: Session, result: Any) -> None:
+        self.committed = commit_success(self.c, self.kind, result, session, self.carry)
+
+
+def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> Committed:
     run = store.succeed_and_lock_run(s, step_id=c.step_id, token=c.token, result=payload)
     if run is None:
         raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
     return chain.advance(s, c.run_id, run=run, stage=c.stage, carry=carry)
 
 
-def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[str, list[Dispatch]]:
+def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> AttemptEnd:
     """Schedule the next attempt with backoff, or fail the run when attempts are exhausted."""
     err = error_payload(exc)
     final = isinstance(exc, NonRetryable) or c.attempt >= min(c.max_attempts, policy.max_attempts)
@@ -62,28 +83,30 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> tuple[s
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
         close_attempt(s, c, Outcome.FAILED if final else Outcome.RETRY, err)
         if final:
-            return Outcome.FAILED, fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+            return AttemptEnd(
+                Outcome.FAILED, fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+            )
         store.record_retry_error(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
     log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
-    return Outcome.RETRY, []
+    return AttemptEnd(Outcome.RETRY, [])
 
 
-def commit_canceled(c: Claim) -> tuple[str, list[Dispatch]]:
+def commit_canceled(c: Claim) -> AttemptEnd:
     """The body stopped itself on a cancel request: close the step, then finish the cancel."""
     with db.transaction() as s:
         if not store.cancel_step(s, step_id=c.step_id, token=c.token):
             raise LeaseLost(f"step {c.step_id}: lease lost, cancel not recorded")
         close_attempt(s, c, Outcome.CANCELED)
-        return Outcome.CANCELED, chain.finalize_cancel(s, c.run_id)
+        return AttemptEnd(Outcome.CANCELED, chain.finalize_cancel(s, c.run_id))
 
 
-def commit_or_refuse(fn: Commit, *args: Any) -> tuple[str, list[Dispatch]]:
+def commit_or_refuse(commit: Callable[P, AttemptEnd], *args: P.args, **kwargs: P.kwargs) -> AttemptEnd:
     """Run a commit; a refused one (the lease is gone) is the outcome `lease_lost`."""
     try:
-        return fn(*args)
+        return commit(*args, **kwargs)
     except LeaseLost as exc:
         log.warning("commit refused: %s", exc)
-        return Outcome.LEASE_LOST, []
+        return AttemptEnd(Outcome.LEASE_LOST, [])
 
 
 def close_attempt(s: Session, c: Claim, outcome: Outcome, err: dict[str, Any] | None = None) -> None:
@@ -91,7 +114,7 @@ def close_attempt(s: Session, c: Claim, outcome: Outcome, err: dict[str, Any] | 
     store.close_attempt(s, step_id=c.step_id, token=c.token, outcome=outcome, err=err)
 
 
-def commit_deadline(c: Claim, exc: BaseException) -> tuple[str, list[Dispatch]]:
+def commit_deadline(c: Claim, exc: BaseException) -> AttemptEnd:
     """The body stopped at a checkpoint past the run's deadline: the step fails and the run
     ends `failed` with `DeadlineExceeded`, with its compensation (`chain.expire_run`)."""
     err = error_payload(exc)
@@ -99,7 +122,8 @@ def commit_deadline(c: Claim, exc: BaseException) -> tuple[str, list[Dispatch]]:
         if not store.fail_or_retry(s, step_id=c.step_id, token=c.token, final=True, delay=0.0, err=err):
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, deadline not recorded")
         close_attempt(s, c, Outcome.FAILED, err)
-        return Outcome.FAILED, chain.expire_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+        err_run = {**err, "step": c.name, "attempts": c.attempt}
+        return AttemptEnd(Outcome.FAILED, chain.expire_run(s, c.run_id, err_run))
 
 
 def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> list[Dispatch]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
@@ -29,6 +29,14 @@ def load_results(session: Session, run_id: uuid.UUID, kind: Kind) -> dict[str, A
         else:
             out[name] = result
     return out
+
+
+class Committer(Protocol):
+    """Commits the running attempt's success inside a transaction the body opened
+    (`StepContext.finish`); the execute ladder hands one to the context it builds
+    (`commits.InBodyCommit`) and reads back what the commit returned."""
+
+    def commit(self, session: Session, result: Any) -> None: ...
 
 
 @dataclass
@@ -72,8 +80,7 @@ class StepContext(PlanContext):
     item: Any = None
     item_index: int = 0
     lease: Lease | None = None
-    commit_hook: Callable[[Session, Any], list[Any]] | None = None
-    finished: list[Any] | None = None
+    committer: Committer | None = None
     _cancel_checked_at: float = field(default=0.0)
     _cancel_cached: bool = False
     _late_cached: bool = False
@@ -148,13 +155,13 @@ class StepContext(PlanContext):
         own, and the whole body would run again; with `finish(result)` either both commit or
         neither does. Use it as the body's last act and return the same `result`.
         """
-        if self.commit_hook is None:
+        if self.committer is None:
             raise RuntimeError("finish() is only available inside a running step")
         with db.transaction() as s:
             self.fence(s)
             yield s
             s.flush()
-            self.finished = self.commit_hook(s, result)
+            self.committer.commit(s, result)
 
     def report_progress(self, done: float, total: float, message: str | None = None) -> None:
         """Live progress for operators (copy %, download %); best effort, never fenced."""

@@ -21,7 +21,8 @@ Every delivery of a step message goes through `execute()`, as a Celery task goes
    NULL so the sweeper sends them (messages are hints, Postgres is the truth). A limited step
    that ends its attempt hands its slot to the head of the line (`admission.handoff`).
 6. **carry**: a committed success of a linear chain has claimed the next step in its own
-   commit (`attempts.Carry`); the ladder runs it here while the inline budget lasts.
+   commit (`attempts.Carry`) and returned it (`attempts.Committed.next`); the ladder runs it
+   here while the inline budget lasts.
 
 Every attempt is an OpenTelemetry span in its run's trace (`proj.engine.tracing`).
 """
@@ -36,9 +37,10 @@ from collections.abc import Sequence
 from proj import db, logs
 from proj.engine import dispatch, tracing
 from proj.engine.admission import admit, any_limits, deny, handoff, limit_gates, slot_of
-from proj.engine.attempts import Carry, Claim, worker_id
+from proj.engine.attempts import AttemptEnd, Carry, Claim, worker_id
 from proj.engine.children import run_child
 from proj.engine.commits import (
+    InBodyCommit,
     commit_canceled,
     commit_deadline,
     commit_failure,
@@ -200,8 +202,9 @@ def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
             item_index=c.item_index if c.item is not None else None,
         ) as span,
     ):
-        outcome, to_publish, error = _attempt(c, kind, carry)
-        tracing.set_outcome(span, outcome, error)
+        end, error = _attempt(c, kind, carry)
+        tracing.set_outcome(span, end.outcome, error)
+    to_publish = end.publish
     if limit_gates(kind, c.concurrency_key):
         try:
             with db.transaction() as s:
@@ -209,56 +212,55 @@ def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
         except Exception as exc:  # the sweeper re-sends blocked steps anyway
             log.warning("hand-off after step %s failed: %s", c.step_id, exc)
     dispatch.publish_after_commit(to_publish)
-    # Only a committed success carries on; otherwise a claimed next step (if its transaction
-    # committed at all) is left to its lease and the sweeper.
-    return outcome, carry.claim if carry is not None and outcome == Outcome.SUCCEEDED else None
+    # Only a committed success carries on (the commit returned the step it claimed).
+    return end.outcome, end.next if end.outcome == Outcome.SUCCEEDED else None
 
 
-def _attempt(
-    c: Claim, kind: Kind, carry: Carry | None = None
-) -> tuple[str, list[Dispatch], BaseException | None]:
-    """Body (or wait check) and its fenced commit, under the heartbeat."""
+def _attempt(c: Claim, kind: Kind, carry: Carry | None = None) -> tuple[AttemptEnd, BaseException | None]:
+    """Body (or wait check) and its fenced commit, under the heartbeat.
+
+    A body that commits its result in its own transaction (`StepContext.finish`) does so through
+    the `InBodyCommit` it is handed; otherwise its result is committed here once it returns."""
     sdef = kind.step_def(c.name)
-    ctx = StepContext(
-        run_id=c.run_id,
-        kind=kind,
-        raw_input=c.input,
-        step_id=c.step_id,
-        step=c.name,
-        stage=c.stage,
-        attempt=c.attempt,
-        item=c.item,
-        item_index=c.item_index,
-    )
-    outcome: str = Outcome.NOOP
-    to_publish: list[Dispatch] = []
+    in_body = InBodyCommit(c, kind, carry)
+    plain = sdef.wait is None and sdef.child is None  # only a plain body may `finish()`
     error: BaseException | None = None
     with HEARTBEAT.track(c.step_id, c.token) as lease:
-        ctx.lease = lease
+        ctx = StepContext(
+            run_id=c.run_id,
+            kind=kind,
+            raw_input=c.input,
+            step_id=c.step_id,
+            step=c.name,
+            stage=c.stage,
+            attempt=c.attempt,
+            item=c.item,
+            item_index=c.item_index,
+            lease=lease,
+            committer=in_body if plain else None,
+        )
         try:
             if sdef.wait is not None:
-                outcome, to_publish = run_wait(c, ctx, kind, sdef.wait, carry)
+                end = run_wait(c, ctx, kind, sdef.wait, carry)
             elif sdef.child is not None:
-                outcome, to_publish = run_child(c, ctx, kind, sdef.child, carry)
+                end = run_child(c, ctx, kind, sdef.child, carry)
             else:
                 assert sdef.fn is not None
-                ctx.commit_hook = lambda session, result: commit_success(c, kind, result, session, carry)
                 result = sdef.fn(ctx)
-                if ctx.finished is not None:
-                    to_publish = ctx.finished
-                else:
-                    to_publish = commit_success(c, kind, result, carry=carry)
-                outcome = Outcome.SUCCEEDED
+                committed = in_body.committed
+                if committed is None:
+                    committed = commit_success(c, kind, result, carry=carry)
+                end = AttemptEnd.succeeded(committed)
         except LeaseLost as exc:
             log.warning("step %s attempt %s: %s", c.step_id, c.attempt, exc)
-            outcome, error = Outcome.LEASE_LOST, exc
+            end, error = AttemptEnd(Outcome.LEASE_LOST, []), exc
         except CancelRequested:
-            outcome, to_publish = commit_or_refuse(commit_canceled, c)
+            end = commit_or_refuse(commit_canceled, c)
         except DeadlineExceeded as exc:
-            outcome, to_publish = commit_or_refuse(commit_deadline, c, exc)
+            end = commit_or_refuse(commit_deadline, c, exc)
             error = exc
         except Exception as exc:
             policy = kind.policy_for(sdef)
-            outcome, to_publish = commit_or_refuse(commit_failure, c, policy, exc)
+            end = commit_or_refuse(commit_failure, c, policy, exc)
             error = exc
-    return outcome, to_publish, error
+    return end, error

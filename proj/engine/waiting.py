@@ -11,10 +11,9 @@ from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine import dispatch
-from proj.engine.attempts import Carry, Claim
+from proj.engine.attempts import AttemptEnd, Carry, Claim
 from proj.engine.commits import close_attempt, commit_success
 from proj.engine.context import StepContext
-from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost
 from proj.engine.kind import Kind, WaitSpec
 from proj.engine.status import Outcome
@@ -23,7 +22,7 @@ from proj.engine.store import waits as store
 
 def run_wait(
     c: Claim, ctx: StepContext, kind: Kind, spec: WaitSpec, carry: Carry | None = None
-) -> tuple[str, list[Dispatch]]:
+) -> AttemptEnd:
     """Check the business truth; commit if it holds, otherwise park the run on its topic.
 
     A wait that holds continues inline like any committed step (`carry`): a mass wake's next
@@ -35,24 +34,26 @@ def run_wait(
         with db.transaction() as s:
             reached = store.reached(s, until)
         if reached:
-            return Outcome.SUCCEEDED, commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
+            return AttemptEnd.succeeded(
+                commit_success(c, kind, {"slept_until": until.isoformat()}, carry=carry)
+            )
         return park(c, topic, until=until)
     if spec.check is not None:
         value = spec.check(ctx)
         if value:
-            return Outcome.SUCCEEDED, commit_success(c, kind, value, carry=carry)
+            return AttemptEnd.succeeded(commit_success(c, kind, value, carry=carry))
     else:
         with db.transaction() as s:
             sig = store.latest_signal(s, topic)
         if sig is not None:
-            return Outcome.SUCCEEDED, commit_success(c, kind, {"signal": sig.payload}, carry=carry)
+            return AttemptEnd.succeeded(commit_success(c, kind, {"signal": sig.payload}, carry=carry))
     timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
     return park(c, topic, timeout_s=timeout)
 
 
 def park(
     c: Claim, topic: str, *, timeout_s: float | None = None, until: datetime | None = None
-) -> tuple[str, list[Dispatch]]:
+) -> AttemptEnd:
     """Free the worker: the step waits in Postgres for a signal or its timer.
 
     Under the topic's advisory lock, a signal stored since this check started sends the step
@@ -63,8 +64,10 @@ def park(
         store.lock_topic(s, topic)
         raced = store.signal_since(s, topic, c.claimed_at)
         if park_in(s, c, topic, raced=raced, timeout_s=timeout_s, until=until):
-            return Outcome.RECHECKING, [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
-    return Outcome.WAITING, []
+            return AttemptEnd(
+                Outcome.RECHECKING, [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]
+            )
+    return AttemptEnd(Outcome.WAITING, [])
 
 
 def park_in(
