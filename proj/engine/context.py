@@ -1,4 +1,8 @@
-"""What a step body sees: its input, earlier results, its lease and the run's cancel flag."""
+"""What a step body sees: its input, earlier results, its lease and the run's cancel flag.
+
+This module does not import `proj.engine.kind`: a kind's steps are typed by the contexts they
+get (`kind.StepFn`), and a context needs only a little of its kind (`RunKind`), so the two
+modules would otherwise name each other (`tests/unit/test_layers.py`)."""
 
 from __future__ import annotations
 
@@ -15,16 +19,30 @@ from sqlalchemy.orm import Session
 from proj import db
 from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
 from proj.engine.heartbeat import Lease
-from proj.engine.kind import Kind
 from proj.engine.store import leases as store
 from proj.settings import get_settings
 
 
-def load_results(session: Session, run_id: uuid.UUID, kind: Kind) -> dict[str, Any]:
+class RunKind(Protocol):
+    """What a context needs of its run's kind (`proj.engine.kind.Kind` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def input_model(self) -> type[BaseModel]: ...
+
+    def fans_out(self, stage: int) -> bool: ...
+
+
+def load_results(session: Session, run_id: uuid.UUID, kind: RunKind) -> dict[str, Any]:
     """Committed results by step name; a fan-out step gives the list in item order."""
     out: dict[str, Any] = {}
     for stage, name, result in store.results(session, run_id):
-        if stage < len(kind.canvas) and kind.canvas[stage].over is not None:
+        if kind.fans_out(stage):
             out.setdefault(name, []).append(result)
         else:
             out[name] = result
@@ -44,7 +62,7 @@ class PlanContext:
     """What fan-out `over`, wait topics and timers may read: the input and earlier results."""
 
     run_id: uuid.UUID
-    kind: Kind
+    kind: RunKind
     raw_input: dict[str, Any]
     _results: dict[str, Any] | None = None
     _session: Session | None = None

@@ -240,6 +240,10 @@ class Kind:
     def policy_for(self, step_def: StepDef) -> RetryPolicy:
         return step_def.retry or self.retry
 
+    def fans_out(self, stage: int) -> bool:
+        """Whether `stage` is a fan-out: its step's results read back as a list in item order."""
+        return stage < len(self.canvas) and self.canvas[stage].over is not None
+
     @property
     def has_limits(self) -> bool:
         return self.global_limit is not None or self.concurrency_limit is not None

@@ -1,5 +1,7 @@
 """Layering: the engine is handed the Celery app and imports nothing of the service, and the
-packages import one another without a cycle at import time (issue: 10 files formed one cycle)."""
+packages import one another without a cycle at import time (issue: 10 files formed one cycle).
+Inside the engine not even the type checker sees a cycle: an import under `if TYPE_CHECKING`
+counts there too (`proj.engine.context` and `proj.engine.kind` named each other so)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def imports(path: Path, *, top_level_only: bool) -> set[str]:
-    """Modules a file imports: at import time only (module body, outside `if TYPE_CHECKING`), or
-    anywhere, lazy imports inside functions included. `from a import b` names `a.b` when b is a
-    submodule's name, and `a` too (which `_edges` drops again when `a.b` is a module)."""
+def imports(path: Path, *, top_level_only: bool, type_checking: bool = False) -> set[str]:
+    """Modules a file imports: at import time only (module body, outside `if TYPE_CHECKING`
+    unless `type_checking`), or anywhere, lazy imports inside functions included. `from a
+    import b` names `a.b` when b is a submodule's name, and `a` too (which `_edges` drops again
+    when `a.b` is a module)."""
     tree = ast.parse(path.read_text())
     nodes: list[ast.AST] = []
     if top_level_only:
@@ -34,7 +37,7 @@ def imports(path: Path, *, top_level_only: bool) -> set[str]:
         while stack:
             node = stack.pop()
             nodes.append(node)
-            if isinstance(node, ast.If) and not _is_type_checking(node):
+            if isinstance(node, ast.If) and (type_checking or not _is_type_checking(node)):
                 stack.extend(node.body + node.orelse)
             elif isinstance(node, ast.Try):
                 stack.extend(node.body + node.orelse + node.finalbody)
@@ -50,10 +53,10 @@ def imports(path: Path, *, top_level_only: bool) -> set[str]:
     return out
 
 
-def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+def _edges(mods: dict[str, Path], *, type_checking: bool = False) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
-        found = imports(path, top_level_only=True)
+        found = imports(path, top_level_only=True, type_checking=type_checking)
         deps = {m for m in found if m in mods and m != name}
         # `from proj import db` needs proj.db, not proj's own body, when db is a submodule
         graph[name] = {d for d in deps if not any(o.startswith(d + ".") and o in deps for o in found)}
@@ -94,6 +97,22 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle_at_import_time() -> None:
     assert cycles(_edges(_modules())) == []
+
+
+def test_no_import_cycle_in_the_engine_even_for_the_type_checker() -> None:
+    engine = {name: path for name, path in _modules().items() if name.startswith("proj.engine")}
+    assert cycles(_edges(engine, type_checking=True)) == []
+
+
+def test_a_type_checking_import_counts_for_the_engine_check(tmp_path: Path) -> None:
+    """The check itself can fail: an import under `if TYPE_CHECKING` is an edge there, and not
+    one for the import-time check."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from proj.engine.kind import Kind\n"
+    )
+    assert "proj.engine.kind" in imports(planted, top_level_only=True, type_checking=True)
+    assert "proj.engine.kind" not in imports(planted, top_level_only=True)
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:
