@@ -27,11 +27,15 @@ CREATE TABLE IF NOT EXISTS benchkit.gate (topic text PRIMARY KEY, open boolean N
 """
 
 
+MARK = text("INSERT INTO benchkit.mark (run_id, step, attempt, pid) VALUES (:r, :s, :a, :p) RETURNING id")
+GATE_OPEN = text("SELECT open FROM benchkit.gate WHERE topic = :t")
+
+
 def mark(ctx: StepContext) -> None:
     """Record that this body started, now, in a transaction of its own."""
-    with db.transaction() as s:
-        s.execute(
-            text("INSERT INTO benchkit.mark (run_id, step, attempt, pid) VALUES (:r, :s, :a, :p)"),
+    with db.autocommit() as conn:
+        conn.first(
+            MARK,
             {"r": ctx.run_id, "s": ctx.step, "a": ctx.attempt, "p": os.getpid()},
         )
 
@@ -74,8 +78,9 @@ class GateInput(BaseModel):
 
 def gate_open(ctx: StepContext) -> bool:
     """The business truth the wait checks (like `gated` in tests/kinds.py)."""
-    with db.transaction() as s:
-        return bool(s.scalar(text("SELECT open FROM benchkit.gate WHERE topic = :t"), {"t": ctx.input.topic}))
+    with db.autocommit() as conn:
+        row = conn.first(GATE_OPEN, {"t": ctx.input.topic})
+    return bool(row and row.open)
 
 
 GATE = register(

@@ -47,6 +47,10 @@ def create_app(settings: Settings | None = None) -> Celery:
         task_ignore_result=True,
         task_acks_late=False,  # Postgres, not the broker, recovers lost work
         worker_prefetch_multiplier=1,
+        # A worker whose processes are all busy takes no message (Redis; AMQP ignores it): a
+        # recovered step's message goes to a worker that can run it now, instead of waiting
+        # behind a long step in the busy one's prefetch (`bench.recovery`, issue #17).
+        worker_disable_prefetch=(settings.broker_url or "").startswith("redis"),
         task_default_queue="engine",
         task_create_missing_queues=True,
         worker_send_task_events=True,
@@ -135,11 +139,16 @@ def register_step_tasks(app: Celery, settings: Settings | None = None) -> None:
                 *,
                 _starts: bool = starts,
                 _task: tuple[str, str] = (name, kind.queue),
+                _limited: bool = kind.has_limits,
             ) -> str:
                 # `more` is a keyword: a worker older than batched wakes refuses the message
                 # (unexpected argument) instead of misreading it; the sweeper re-sends singly.
                 return protocol.execute(
-                    int(step_id), starts_run=_starts, more=[int(i) for i in more or ()], task=_task
+                    int(step_id),
+                    starts_run=_starts,
+                    more=[int(i) for i in more or ()],
+                    task=_task,
+                    limited=_limited,
                 )
 
             app.task(name=name, ignore_result=True)(run_step)

@@ -352,8 +352,9 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> Com
     """The commit of a linear chain's step in one statement, in autocommit: one round trip
     instead of four (BEGIN, succeed, advance, COMMIT), most of an inline step's cost.
 
-    It applies when the step is its stage's only one and either the next stage is one plain step
-    for this process to run (`carry`) or there is none and the run succeeds with this result.
+    It applies when the step is its stage's only one and either the next stage is one step
+    (claimed for this process to run under `carry`, or else inserted pending and published) or
+    there is none and the run succeeds with this result.
     None: another shape, or the run is not as a plain advance expects (a cancel asked, the lease
     lost); nothing was written and the caller takes the general path, which sorts those out.
     """
@@ -373,8 +374,10 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> Com
         tracing.run_span(run, "succeeded", run.finished_at)
         return Committed([])
     nxt = kind.canvas[following]
-    if carry is None or not nxt.single:
+    if not nxt.single:
         return None
+    if carry is None:
+        return _commit_and_publish_next(c, kind, payload, following)
     next_step = _next_step(carry, kind, following)
     with db.autocommit() as conn:
         row = commits_store.succeed_and_claim_next(
@@ -385,6 +388,24 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> Com
     if row.next_id is None or row.claimed_at is None:
         return Committed([])  # the next step existed already: not this process' to run
     return Committed([], _carried(carry, next_step, row.next_id, row.claimed_at))
+
+
+def _commit_and_publish_next(c: Claim, kind: Kind, payload: str, following: int) -> Committed | None:
+    """`commit_alone` when the next step goes out as a message (no carry: `INLINE_STEPS=0`, a
+    limited kind, or the inline budget spent): one statement, then its message after it."""
+    sdef = kind.canvas[following].steps[0]
+    next_step = commits_store.NextMessage(
+        c.run_id, following, sdef.name, kind.canvas[following].label, kind.policy_for(sdef).max_attempts
+    )
+    with db.autocommit() as conn:
+        row = commits_store.succeed_and_publish_next(
+            conn, step_id=c.step_id, token=c.token, stage=c.stage, result=payload, next_step=next_step
+        )
+    if row is None:
+        return None
+    if row.next_id is None:
+        return Committed([])
+    return Committed([dispatch.step_dispatch(row.next_id, kind.name, kind.version, sdef.name, c.priority)])
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,6 +54,26 @@ class Heartbeat:
             with self._lock:
                 self._leases.pop(step_id, None)
 
+    @contextmanager
+    def track_many(self, held: list[tuple[int, uuid.UUID]]) -> Iterator[None]:
+        """Keep the leases of claimed steps that wait their turn alive (a batched claim,
+        `protocol._deliver_batch`); each one's own `track` takes over while its body runs."""
+        if not held:
+            yield
+            return
+        self._ensure_thread()
+        with self._lock:
+            for step_id, token in held:
+                self._leases.setdefault(step_id, Lease(step_id, token))
+        try:
+            yield
+        finally:
+            with self._lock:
+                for step_id, token in held:
+                    lease = self._leases.get(step_id)
+                    if lease is not None and lease.token == token:
+                        del self._leases[step_id]
+
     def _ensure_thread(self) -> None:
         # A forked child inherits the object but not the thread: start one per pid.
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():

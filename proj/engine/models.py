@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     ForeignKey,
     Index,
@@ -124,6 +125,8 @@ class TaskRun(Base):
     # children and deadlines (0009)
     parent_run_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # result() waiters (0010): only a run somebody awaits notifies when it finishes
+    result_awaited: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
 
 class Step(Base):

@@ -165,8 +165,9 @@ def result(run_id: uuid.UUID, timeout_s: float) -> Any:
     (`RunFailed`, `RunCanceled`, both with `last_error`) or `TimeoutError`.
 
     The waiter LISTENs on `engine_run_finished` on a connection of its own (outside the pool;
-    one per waiting caller), which every statement that finishes a run notifies at commit; the
-    stored state is read after LISTEN (nothing finished before it is missed) and on each
+    one per waiting caller) and marks the run awaited, so the statement that finishes it
+    notifies at commit (`store.children.mark_awaited`); the stored state is read after the mark
+    (nothing finished before it is missed) and on each
     notification for this run, and every few seconds in case a notification is lost (the
     listening session was cut). KeyError: no such run.
     """
@@ -176,6 +177,7 @@ def result(run_id: uuid.UUID, timeout_s: float) -> Any:
     wanted = str(run_id)
     with psycopg.connect(_conninfo(), autocommit=True, application_name="proj-result") as conn:
         children_store.listen(conn)
+        children_store.mark_awaited(conn, run_id)
         while True:
             row = children_store.run_outcome(conn, run_id)
             if row is None:

@@ -148,6 +148,39 @@ def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> Non
     ) == [(5, 5)]
 
 
+def test_a_step_per_message_costs_two_statements(published, sent_sql, monkeypatch) -> None:
+    """`INLINE_STEPS=0`: each step claims in one statement and commits in one, the next step
+    inserted pending and published by that commit (`store.commits.SUCCEED_AND_PUBLISH_NEXT`):
+    no BEGIN/COMMIT round trips, no second statement to advance the run."""
+    monkeypatch.setattr(get_settings(), "inline_steps", 0)
+    ref = runs.enqueue("probe", {"n": 2}, idempotency_key=new_key())
+    step_id = _first_step(ref.task_run_id)
+    published.clear()
+
+    for i in range(1, 6):
+        sent_sql["statements"].clear()
+        sent_sql["commits"].clear()
+        # `limited=False`: what the kind's Celery task passes (probe declares no limits)
+        assert protocol.execute(step_id, starts_run=i == 1, limited=False) == "succeeded"
+        engine_sql = [  # not counted either: the process' liveness lock, taken at its first claim
+            q
+            for q in sent_sql["statements"]
+            if "testkit." not in q and q.strip() not in (";", "SELECT 1") and "pg_try_advisory_lock" not in q
+        ]
+        assert len(engine_sql) == 2, [" ".join(q.split())[:50] for q in engine_sql]  # claim, commit
+        # The probe body records itself in two transactions of its own (testkit.execution).
+        assert len(sent_sql["commits"]) == 2, "the engine committed no transaction of its own"
+        if i < 5:
+            assert [d.task_name for d in published] == [f"probe.v1.s{i + 1}"]
+            step_id = published.pop().step_id
+            assert scalar("SELECT status FROM engine.step WHERE id = %s", (step_id,)) == "pending"
+    assert published == []
+    assert [(r[0], r[1], r[2]) for r in _steps(ref.task_run_id)] == [
+        (f"s{i}", "succeeded", 1) for i in range(1, 6)
+    ]
+    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "succeeded"
+
+
 def _before_the_commit(monkeypatch, act) -> None:
     """Run `act(claim)` between a step's body and its one-statement commit."""
     real = chain.commit_alone

@@ -93,3 +93,77 @@ def test_a_batch_past_its_budget_hands_the_rest_back(procs, wake_batch) -> None:
         what="all 16 to finish one message at a time",
     )
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 16
+
+
+def parked_wait_steps() -> list[int]:
+    from tests.support.services import sql
+
+    return [r[0] for r in sql("SELECT id FROM engine.step WHERE name = 'approval' ORDER BY id")]
+
+
+def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
+    """A chunk is claimed in one statement (`store.claims.CLAIM_BATCH`); a duplicate message
+    naming the same steps, in another order, claims none of them a second time."""
+    from proj.engine import dispatch
+    from proj.engine.dispatch import Dispatch
+    from tests.support.services import sql
+
+    key = new_key()
+    park(procs, 16, key)
+    ids = parked_wait_steps()
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert runs.signal(f"approval:{key}") == 16
+    # Two more deliveries of all 16, reversed and shuffled: as if the sweeper re-sent them.
+    for dup in (ids[::-1], ids[5:] + ids[:5]):
+        dispatch.publish_after_commit([Dispatch(dup[0], "gated.v1.approval", "gated.v1", 0, tuple(dup[1:]))])
+    procs.worker("w", concurrency=2)
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 16,
+        60,
+        what="all 16 to finish",
+    )
+    wait_for(lambda: queued("gated.v1") == 0, 30, what="the duplicates to be consumed")
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 16
+    per_step = scalar(
+        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.step_attempt a "
+        "JOIN engine.step s ON s.id = a.step_id WHERE s.name = 'approval' GROUP BY s.id) c"
+    )
+    assert per_step == [2]  # parked once, claimed once after the wake
+
+
+def test_claimed_steps_waiting_their_turn_keep_their_lease(
+    procs, wake_batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps of a chunk are claimed together and run one after another: while the first
+    runs longer than a lease (`LEASE_TTL_S=3` in the tests), the heartbeat keeps the others'
+    leases alive, so no sweeper could hand them to another worker meanwhile."""
+    import time
+
+    from proj.engine import protocol
+    from tests.support.services import sql
+
+    key = new_key()
+    park(procs, 8, key)
+    ids = parked_wait_steps()
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert runs.signal(f"approval:{key}") == 8
+    seen: list[int] = []
+    run_chain = protocol._run_chain
+
+    def slow_first(c):  # the first claimed step runs for longer than a lease
+        if not seen:
+            time.sleep(get_settings().lease_ttl_s + 1.5)
+            seen.append(
+                scalar(
+                    "SELECT count(*) FROM engine.step WHERE id = ANY(%s) AND status = 'running' "
+                    "AND lease_until > now()",
+                    (ids,),
+                )
+            )
+        return run_chain(c)
+
+    monkeypatch.setattr(protocol, "_run_chain", slow_first)
+    protocol.execute(ids[0], more=ids[1:], task=("gated.v1.approval", "gated.v1"), limited=False)
+    assert seen == [8]  # all eight claimed, every lease still live after more than a lease
+    assert scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 8
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 8

@@ -66,7 +66,8 @@ CANCEL_RUN = text(
     """
     UPDATE engine.task_run SET status = 'canceled', finished_at = now(), updated_at = now()
      WHERE id = :id AND status IN ('pending', 'running', 'waiting')
-    RETURNING finished_at, parent_run_id, pg_notify('engine_run_finished', id::text)::text AS notified
+    RETURNING finished_at, parent_run_id,
+              CASE WHEN result_awaited THEN pg_notify('engine_run_finished', id::text)::text END AS notified
     """
 )
 

@@ -4,9 +4,15 @@ A child step enqueues its child (`stages.insert_run` with `parent_run_id`) and, 
 transaction, parks on the topic `run-finished:<child id>` (`waits.park`) unless the child has
 finished already (`child_state`, read under the topic's advisory lock). A run with a parent that
 finishes (succeeded, failed, canceled) stores that signal and wakes the parked step in its own
-finishing transaction (`waits.lock_topic`, `waits.store_signal`, `waits.wake_topic`). Every
-statement that finishes a run also issues `pg_notify('engine_run_finished', <run id>)`, delivered
-at commit, which `TaskEngine.result()` listens for.
+finishing transaction (`waits.lock_topic`, `waits.store_signal`, `waits.wake_topic`).
+
+`TaskEngine.result()` LISTENs on `engine_run_finished`, then marks the run awaited
+(`mark_awaited`); every statement that finishes a run issues `pg_notify('engine_run_finished',
+<run id>)`, delivered at commit, when the run is marked so. Why only then: a notification
+serialises the committing transactions on Postgres' notify queue, and on every run it cost
+about 3 % of a step (`bench/README.md`). No notification is missed: the mark and the finishing
+statement update the same row, so either the finish sees the mark (and notifies), or the
+waiter's read after its mark sees the run finished (`tests/integration/test_children.py`).
 
 Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
 the table names others.
@@ -19,6 +25,7 @@ the table names others.
 | `past_deadline` | live runs past `deadline_at`, no live lease | locked for `expire_run` |
 | `expire_run` | run live | failed with `DeadlineExceeded` |
 | `listen`, `run_outcome` (psycopg) | | a run's status and outcome, for `result()` on its LISTEN session |
+| `mark_awaited` (psycopg) | run not awaited | awaited: the statement that finishes it notifies |
 | `family` (`PARENT_OF`, `DESCENDANTS`) | | a run's family tree (/admin run page, `proj show`) |
 
 The cascade locks children after their parent, while a finishing child locks itself and then
@@ -98,12 +105,15 @@ EXPIRE_RUN = text(
            finished_at = now(), updated_at = now()
      WHERE id = :run AND status IN ('pending', 'running', 'waiting')
     RETURNING id, kind, version, input, trace, created_at, finished_at, parent_run_id,
-              pg_notify('engine_run_finished', id::text)::text AS notified
+              CASE WHEN result_awaited THEN pg_notify('engine_run_finished', id::text)::text END AS notified
     """
 )
 
 # psycopg SQL, run on `result()`'s own LISTEN connection.
 LISTEN = "LISTEN engine_run_finished"
+MARK_AWAITED = """
+    UPDATE engine.task_run SET result_awaited = true WHERE id = %(id)s AND NOT result_awaited
+"""
 RUN_OUTCOME = """
     SELECT status, result, last_error, cancel_reason FROM engine.task_run WHERE id = %(id)s
 """
@@ -196,6 +206,11 @@ def expire_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> Expired
 def listen(conn: psycopg.Connection[Any]) -> None:
     """On `result()`'s own autocommit connection: be told of every run that finishes."""
     conn.execute(LISTEN)
+
+
+def mark_awaited(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
+    """After `listen`: the run's finishing statement is to notify (before the outcome is read)."""
+    conn.execute(MARK_AWAITED, {"id": run_id})
 
 
 def run_outcome(conn: psycopg.Connection[Any], run_id: uuid.UUID) -> RunOutcome | None:

@@ -19,6 +19,7 @@ the table names others.
 | `claim` | step pending, due; run live | step running (token, lease); run running; attempt opened |
 | `claim_start` | the same, for a start step | the best pending run's start step instead, if better |
 | `release_start_siblings` | run's first-stage items > 0 held back | published now |
+| `claim_batch` | the steps of a batched message, each as `claim` | each running under its own token |
 
 A claim runs on the autocommit path (`db.autocommit()`: one round trip, no BEGIN/COMMIT) when it
 is the transaction's only statement, or inside the admission transaction of a limited kind; the
@@ -136,6 +137,49 @@ RELEASE_START_SIBLINGS = text(
 )
 
 
+# The steps of one batched message (a mass wake: `dispatch.batched`) claimed together, each under
+# its own token, in one statement instead of one each. The guard is `CLAIM`'s, row by row; the
+# step rows are locked in id order first (`want`), so two deliveries of overlapping batches (a
+# duplicate message) wait for each other instead of deadlocking, and the later one finds the
+# rows taken and claims nothing for them (`tests/integration/test_wake_batches.py`).
+CLAIM_BATCH = text(
+    """
+    WITH want AS MATERIALIZED (
+        SELECT s.id, w.tok
+          FROM unnest(CAST(:ids AS bigint[]), CAST(:toks AS uuid[])) AS w(id, tok)
+          JOIN engine.step s ON s.id = w.id
+         WHERE (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
+         ORDER BY s.id
+           FOR UPDATE OF s
+    ), claimed AS (
+        UPDATE engine.step s
+           SET status = 'running', lease_token = w.tok, lease_owner = :owner,
+               lease_until = now() + make_interval(secs => :ttl),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
+          FROM want w, engine.task_run r
+         WHERE s.id = w.id AND r.id = s.run_id
+           AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
+           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+           AND (r.deadline_at IS NULL OR r.deadline_at > now())
+     RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
+               r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
+               r.parent_run_id, r.deadline_at, now() AS claimed_at, s.lease_token
+    ), started AS (
+        UPDATE engine.task_run t
+           SET status = 'running', current_step = c.name, updated_at = now(),
+               started_at = coalesce(t.started_at, now())
+          FROM claimed c
+         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+    ), attempt AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
+        SELECT id, attempts, lease_token, :owner FROM claimed
+    )
+    SELECT * FROM claimed ORDER BY id
+    """
+)
+
+
 class ClaimedRow(NamedTuple):
     """The claimed step and what its run says, in `CLAIM`'s RETURNING order (built from the
     driver's row positionally: the hot path pays for one small tuple)."""
@@ -177,6 +221,15 @@ def claim_start(ex: Executor, *, step_id: int, token: uuid.UUID, owner: str, ttl
     """`claim` for a start step: the best-ordered pending run of the kind starts, which may be
     another run's start step than `step_id`'s."""
     return _claim(ex, CLAIM_START, {"id": step_id, "tok": token, "owner": owner, "ttl": ttl})
+
+
+def claim_batch(
+    conn: db.Autocommit, *, step_ids: list[int], tokens: list[uuid.UUID], owner: str, ttl: float
+) -> list[tuple[ClaimedRow, uuid.UUID]]:
+    """Take those of `step_ids` that `claim` would take, the i-th under `tokens[i]`, in one
+    statement: each claimed row with its token, in id order (none: all taken or stale)."""
+    rows = conn.all(CLAIM_BATCH, {"ids": step_ids, "toks": tokens, "owner": owner, "ttl": ttl})
+    return [(ClaimedRow(*row[:-1]), row[-1]) for row in rows]
 
 
 def release_start_siblings(ex: Executor, run_id: uuid.UUID) -> list[StepRef]:

@@ -11,6 +11,7 @@ fenced one returns None or False when the commit was refused.
 |---|---|---|
 | `succeed_and_lock_run` | running → succeeded (result) | row locked for the advance |
 | `succeed_and_claim_next` | running → succeeded; next stage's single step inserted running | pointer moved |
+| `succeed_and_publish_next` | running → succeeded; next single step pending, published | pointer moved |
 | `succeed_and_finish` | running → succeeded | → succeeded with the result |
 | `fail_or_retry` | running → failed (final) or pending after a backoff | |
 | `record_retry_error` | | `last_error` of the retried attempt |
@@ -18,7 +19,7 @@ fenced one returns None or False when the commit was refused.
 | `fail_run` | | live → failed (a dead letter) |
 | `close_attempt` | its attempt record gets its outcome | |
 
-The two one-statement commits (`SUCCEED_AND_*`) are a linear chain's fast path in autocommit:
+The one-statement commits (`SUCCEED_AND_*`) are a linear chain's fast path in autocommit:
 they write only when the run is where a plain advance expects it (its stage, no cancel asked,
 live); otherwise nothing is written and the general path (`SUCCEED_AND_LOCK_RUN`) sorts it out.
 `SUCCEED_AND_CLAIM_NEXT` claims no step past the run's deadline; `SUCCEED_AND_FINISH` leaves a
@@ -100,6 +101,47 @@ SUCCEED_AND_CLAIM_NEXT = text(
     """
 )
 
+# The same commit when the next step travels as a message of its own (`INLINE_STEPS=0`, or a
+# delivery past its inline budget): the next stage's single step is inserted `pending` and marked
+# published (the caller publishes it after this statement; if it dies first, the sweeper re-sends
+# it after `REPUBLISH_AFTER_S`). One round trip instead of BEGIN, succeed, insert, COMMIT.
+SUCCEED_AND_PUBLISH_NEXT = text(
+    """
+    WITH me AS MATERIALIZED (
+        SELECT id, run_id FROM engine.step
+         WHERE id = :id AND lease_token = :tok AND status = 'running'
+           FOR UPDATE
+    ), run AS MATERIALIZED (
+        SELECT r.id FROM engine.task_run r JOIN me ON r.id = me.run_id
+         WHERE r.current_stage = :stage AND r.cancel_requested_at IS NULL
+           AND r.status NOT IN ('succeeded', 'failed', 'canceled')
+           AND (r.deadline_at IS NULL OR r.deadline_at > now())
+           FOR UPDATE OF r
+    ), done AS (
+        UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
+               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+          FROM run
+         WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
+     RETURNING s.id, s.run_id
+    ), closed AS (
+        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
+          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
+    ), ins AS (
+        INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
+                                 published_at)
+        SELECT :run, :next_stage, :next_name, 0, :next_max, now(), now()
+          FROM done
+        ON CONFLICT (run_id, stage, item_index) DO NOTHING
+        RETURNING id
+    ), pointed AS (
+        UPDATE engine.task_run SET current_stage = :next_stage, current_step = :next_label,
+               updated_at = now()
+         WHERE id = :run AND EXISTS (SELECT FROM done)
+    )
+    SELECT done.id, ins.id AS next_id FROM done LEFT JOIN ins ON true
+    """
+)
+
 SUCCEED_AND_FINISH = text(
     """
     WITH me AS MATERIALIZED (
@@ -126,7 +168,8 @@ SUCCEED_AND_FINISH = text(
                current_step = NULL, finished_at = now(), updated_at = now()
           FROM done WHERE t.id = done.run_id
      RETURNING t.id, t.kind, t.version, t.trace, t.created_at, t.finished_at,
-               pg_notify('engine_run_finished', t.id::text)::text AS notified
+               CASE WHEN t.result_awaited THEN pg_notify('engine_run_finished', t.id::text)::text END
+                 AS notified
     )
     SELECT * FROM finished
     """
@@ -172,7 +215,7 @@ FAIL_RUN = text(
            finished_at = now(), updated_at = now()
      WHERE id = :run AND status NOT IN ('succeeded', 'failed', 'canceled')
     RETURNING id, kind, version, trace, created_at, finished_at, parent_run_id,
-              pg_notify('engine_run_finished', id::text)::text AS notified
+              CASE WHEN result_awaited THEN pg_notify('engine_run_finished', id::text)::text END AS notified
     """
 )
 
@@ -200,6 +243,46 @@ def succeed_and_claim_next(
     params = {"id": step_id, "tok": token, "stage": stage, "result": result, **next_step.params()}
     row = conn.first(SUCCEED_AND_CLAIM_NEXT, params)
     return None if row is None else SucceededAndClaimed(*row)
+
+
+class NextMessage(NamedTuple):
+    """The next stage's single step, to insert pending and send as a message of its own
+    (`SUCCEED_AND_PUBLISH_NEXT`)."""
+
+    run_id: uuid.UUID
+    stage: int
+    name: str
+    label: str
+    max_attempts: int
+
+
+class SucceededAndQueued(NamedTuple):
+    """`succeed_and_publish_next` landed: the step succeeded; `next_id` is the next step, to
+    publish (None: it existed already, and its message is someone else's to send)."""
+
+    id: int
+    next_id: int | None
+
+
+def succeed_and_publish_next(
+    conn: db.Autocommit, *, step_id: int, token: uuid.UUID, stage: int, result: str, next_step: NextMessage
+) -> SucceededAndQueued | None:
+    """The one-statement commit of a step whose next stage is one step that travels as a
+    message; None: refused, or the run is not where a plain advance expects it (nothing
+    written)."""
+    params = {
+        "id": step_id,
+        "tok": token,
+        "stage": stage,
+        "result": result,
+        "run": next_step.run_id,
+        "next_stage": next_step.stage,
+        "next_name": next_step.name,
+        "next_label": next_step.label,
+        "next_max": next_step.max_attempts,
+    }
+    row = conn.first(SUCCEED_AND_PUBLISH_NEXT, params)
+    return None if row is None else SucceededAndQueued(*row)
 
 
 def succeed_and_finish(

@@ -134,7 +134,7 @@ FINISH_RUN = text(
            current_step = NULL, finished_at = now(), updated_at = now()
      WHERE id = :id AND status IN ('pending', 'running', 'waiting')
     RETURNING id, kind, version, trace, created_at, finished_at, parent_run_id,
-              pg_notify('engine_run_finished', id::text)::text AS notified
+              CASE WHEN result_awaited THEN pg_notify('engine_run_finished', id::text)::text END AS notified
     """
 )
 
