@@ -80,6 +80,11 @@ def configure_env(args: argparse.Namespace) -> dict[str, str]:
     )
 
 
+def clock(t: float) -> str:
+    """A wall-clock time as the workers' logs print it, to find a round in them."""
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f",{int(t * 1000) % 1000:03d}"
+
+
 def schedule(args: argparse.Namespace) -> list[str]:
     """Faults interleaved, so every kind meets the same machine state over the run."""
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -126,14 +131,15 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random, fault: str =
 
     def second() -> Any:
         return pg.execute(
-            "SELECT extract(epoch FROM m.at), m.pid, extract(epoch FROM a.started_at) "
+            "SELECT extract(epoch FROM m.at), m.pid, extract(epoch FROM a.started_at), "
+            "extract(epoch FROM s.published_at) "
             "FROM benchkit.mark m JOIN engine.step s ON s.run_id = m.run_id AND s.name = m.step "
             "JOIN engine.step_attempt a ON a.step_id = s.id AND a.attempt = 2 "
             "WHERE m.run_id = %s AND m.step = 'hold' AND m.attempt = 2",
             (run_id,),
         ).fetchone()
 
-    body_at, rescuer_pid, claimed_at = wait_until(second, 60, "the step to be re-claimed")
+    body_at, rescuer_pid, claimed_at, sent_at = wait_until(second, 60, "the step to be re-claimed")
     rescuer = next((w.name for w in workers.values() if rescuer_pid in w.children()), "?")
     if fault == "freeze":  # it has lost its step: end it rather than let its stale body go on
         victim.kill9()
@@ -157,6 +163,9 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random, fault: str =
         "rescuer": rescuer,
         "lease_left_s": float(lease_until) - killed_at if lease_until is not None else None,
         "reclaimed_s": float(claimed_at) - killed_at,
+        # when the sweeper re-sent the step (its lease ended by the liveness reaper, or expired)
+        "resent_s": float(sent_at) - killed_at if sent_at is not None else None,
+        "killed_at": killed_at,
         "body_s": float(body_at) - killed_at,
     }
 
@@ -208,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     print(
                         f"round {i + 1:>2}: {fault} {r['victim']}, lease left {r['lease_left_s']:.2f}s, "
+                        f"re-sent after {r['resent_s'] or float('nan'):.2f}s, "
                         f"re-claimed on {r['rescuer']} after {r['reclaimed_s']:.2f}s, body after "
-                        f"{r['body_s']:.2f}s",
+                        f"{r['body_s']:.2f}s (killed at {clock(r['killed_at'])})",
                         file=sys.stderr,
                     )
                 sweeper.check()
