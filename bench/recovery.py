@@ -80,6 +80,14 @@ def configure_env(args: argparse.Namespace) -> dict[str, str]:
     )
 
 
+def alive(pid: int) -> bool:
+    """A process that runs (not a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def clock(t: float) -> str:
     """A wall-clock time as the workers' logs print it, to find a round in them."""
     return time.strftime("%H:%M:%S", time.localtime(t)) + f",{int(t * 1000) % 1000:03d}"
@@ -156,7 +164,22 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random, fault: str =
     if fault != "child":
         victim.wait_ready()
     else:
-        wait_until(victim.children, 30, "the main process to fork a new child")
+        # The killed child lingers as a zombie until its main process notices (Celery: up to a few
+        # seconds): wait for a live new child, or the next round could find no process left to
+        # rescue its step but this worker's main process, which runs no steps.
+        wait_until(lambda: [c for c in victim.children() if c != pid and alive(c)], 30, "a new child")
+    # Both workers' children hold their liveness sessions again (each reaps the other's dead).
+    wait_until(
+        lambda: (
+            pg.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'proj-liveness' "
+                "AND datname = current_database()"
+            ).fetchone()[0]
+            >= len(workers)
+        ),
+        30,
+        "every worker's child to hold its liveness session",
+    )
     return {
         "fault": fault,
         "victim": victim.name,

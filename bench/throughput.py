@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="record the worker with py-spy (--subprocesses) during the ours rounds; "
         "writes FILE (speedscope JSON if it ends in .json, else flamegraph SVG)",
     )
+    p.add_argument(
+        "--profile-sides",
+        default="ours",
+        help="which rounds --profile records: ours, plain or ours,plain (the side is then part "
+        "of the file name: FILE.ours.json, FILE.plain.json)",
+    )
     return p.parse_args(argv)
 
 
@@ -507,8 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             for side in ("plain", "ours"):
                 prof = None
-                if args.profile and side == "ours":
-                    out = args.profile if args.rounds == 1 else f"{i}.".join(args.profile.rsplit(".", 1))
+                sides = [x.strip() for x in args.profile_sides.split(",")]
+                if args.profile and side in sides:
+                    out = args.profile if len(sides) == 1 else f".{side}.".join(args.profile.rsplit(".", 1))
+                    out = out if args.rounds == 1 else f"{i}.".join(out.rsplit(".", 1))
                     prof = start_profiler(worker.proc.pid, out, args.runs * STEPS / 100 + 5)
                     time.sleep(1.0)
                 r = bench.run(side, args.runs)
