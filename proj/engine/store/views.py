@@ -606,7 +606,7 @@ def runs_with_open_steps_by_keys(s: Session, keys: Sequence[str]) -> list[RunWit
 
 
 def step_errors_by_keys(s: Session, keys: Sequence[str]) -> list[StepError]:
-    """Every step error (of a step failed, retried or canceled) of the runs with these keys."""
+    """Every step of the runs with these keys that holds an error (its last), in creation order."""
     return [
         StepError(r.kind, r.name, r.item_index, StepStatus(r.status), r.attempts, r.error)
         for r in s.execute(STEP_ERRORS_BY_KEYS, {"keys": list(keys)})
