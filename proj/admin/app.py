@@ -260,7 +260,7 @@ def create_app(
 
         rid = run_id_or_404(value)
         with db.transaction() as s:
-            if s.scalar(views.RUN_EXISTS, {"id": rid}) is None:
+            if not views.run_exists(s, rid):
                 raise HTTPException(404, f"no run {value}")
         return rid
 

@@ -1,4 +1,5 @@
-"""Read models for the admin pages: plain SQL over the engine tables (and outbox, if present).
+"""Read models for the admin pages: the engine's read models (`proj.engine.store.views`), shaped
+for the pages, and plain SQL over the outbox (not engine state), if present.
 
 Kept apart from the routes so the CLI (`proj outbox`, `proj show`) reads the same numbers.
 Tables owned by other packages (`outbox.outbox_event`, `ledger.asset_operation`) are probed with
@@ -16,9 +17,10 @@ from sqlalchemy.orm import Session
 
 from proj.admin.timeline import RunInfo, TimelineEvent, build_timeline, has_hook
 from proj.engine.models import RUN_STATUSES
-from proj.engine.status import ACTIVE
-from proj.engine.store import views as sql
+from proj.engine.status import ACTIVE, RunStatus
+from proj.engine.store import views
 from proj.engine.store.children import Family, family
+from proj.engine.store.views import FailedStep, ParkedRun, ParkedTopic, Run, RunListRow
 
 PAGE = 50
 
@@ -48,43 +50,34 @@ class RunFilter:
     page: int = 0
 
 
-def list_runs(s: Session, f: RunFilter, limit: int = PAGE) -> tuple[list[Any], bool]:
+def list_runs(s: Session, f: RunFilter, limit: int = PAGE) -> tuple[list[RunListRow], bool]:
     """Newest first; `q` matches a run id (or its prefix) or part of the idempotency key."""
-    q = f.q.strip()
-    exact = parse_uuid(q) if q else None
-    like = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    params: dict[str, Any] = {
-        "limit": limit + 1,
-        "offset": max(0, f.page) * limit,
-        "kind": f.kind or None,
-        "version": int(f.version) if f.version.strip().isdigit() else None,
-        "status": f.status if f.status in RUN_STATUSES else None,
-        "rid": exact,
-        "q": q,
-        "prefix": like.lower() + "%",
-        "pat": "%" + like + "%" if q and exact is None else None,
-    }
-    rows = s.execute(sql.LIST_RUNS, params).all()
+    rows = views.list_runs(
+        s,
+        kind=f.kind or None,
+        version=int(f.version) if f.version.strip().isdigit() else None,
+        status=RunStatus(f.status) if f.status in RUN_STATUSES else None,
+        search=f.q,
+        limit=limit + 1,
+        offset=max(0, f.page) * limit,
+    )
     return rows[:limit], len(rows) > limit
 
 
 def facets(s: Session) -> dict[str, list[Any]]:
     """Values present in the table, for the filter drop-downs."""
-    kinds = s.scalars(sql.RUN_KINDS).all()
-    versions = s.scalars(sql.RUN_VERSIONS).all()
-    return {"kinds": list(kinds), "versions": list(versions), "statuses": list(RUN_STATUSES)}
+    return {"kinds": views.run_kinds(s), "versions": views.run_versions(s), "statuses": list(RUN_STATUSES)}
 
 
 def status_counts(s: Session) -> dict[str, int]:
-    rows = s.execute(sql.STATUS_COUNTS).all()
-    return {r[0]: int(r[1]) for r in rows}
+    return {r.status: r.n for r in views.status_counts(s)}
 
 
 @dataclass
 class RunDetail:
     """Everything `/admin/runs/{id}` shows."""
 
-    run: Any
+    run: Run
     info: RunInfo
     stages: list[dict[str, Any]]
     timeline: list[TimelineEvent]
@@ -97,9 +90,8 @@ class RunDetail:
 
 def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
     """Live progress of the run's running steps (`engine.step.progress`: done/total/message)."""
-    rows = s.execute(sql.RUNNING_PROGRESS, {"id": run_id}).all()
     out = []
-    for r in rows:
+    for r in views.running_progress(s, run_id):
         p = r.progress or {}
         done, total = p.get("done"), p.get("total")
         pct = None
@@ -120,25 +112,24 @@ def progress_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
 
 def stages_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
     """Per stage: the step name and how many of its items are in each state (from `engine.step`)."""
-    rows = s.execute(sql.STAGE_COUNTS, {"id": run_id}).all()
     stages: dict[tuple[int, str], dict[str, Any]] = {}
-    for r in rows:
+    for r in views.stage_counts(s, run_id):
         st = stages.setdefault(
             (r.stage, r.name), {"stage": r.stage, "name": r.name, "counts": {}, "attempts": 0}
         )
-        st["counts"][r.status] = int(r.n)
+        st["counts"][r.status] = r.n
         st["attempts"] = max(st["attempts"], r.attempts or 0)
         st["max_attempts"] = r.max_attempts
     return list(stages.values())
 
 
 def parked_step(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
-    row = s.execute(sql.PARKED_STEP, {"id": run_id}).first()
-    return dict(row._mapping) if row else None
+    row = views.parked_step(s, run_id)
+    return row._asdict() if row else None
 
 
-def load_run(s: Session, run_id: uuid.UUID) -> Any:
-    return s.execute(sql.RUN, {"id": run_id}).first()
+def load_run(s: Session, run_id: uuid.UUID) -> Run | None:
+    return views.run(s, run_id)
 
 
 def run_detail(s: Session, run_id: uuid.UUID) -> RunDetail | None:
@@ -160,7 +151,7 @@ def run_detail(s: Session, run_id: uuid.UUID) -> RunDetail | None:
     )
 
 
-def _pending_reason(run: Any) -> str | None:
+def _pending_reason(run: Run) -> str | None:
     """Why a live run is not moving (a concurrency limit, a future start, no worker for its
     version): the engine's own projection, so the CLI, `get` and this page agree."""
     if run.status not in ("pending", "running"):
@@ -173,7 +164,7 @@ def _pending_reason(run: Any) -> str | None:
 
 def progress_json(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
     """What the run page polls: status, current step and live progress."""
-    row = s.execute(sql.RUN_PROGRESS, {"id": run_id}).first()
+    row = views.run_progress(s, run_id)
     if row is None:
         return None
     return {
@@ -192,20 +183,19 @@ def progress_json(s: Session, run_id: uuid.UUID) -> dict[str, Any] | None:
 class DeadLetter:
     """A failed run with what an operator needs to decide: error, failed step, business context."""
 
-    run: Any
-    failed_steps: list[Any]
+    run: Run
+    failed_steps: list[FailedStep]
     context: list[TimelineEvent]
 
 
 def dead_letters(s: Session, limit: int = PAGE) -> list[DeadLetter]:
-    runs = s.execute(sql.DEAD_LETTERS, {"limit": limit}).all()
     out = []
-    for run in runs:
-        failed = s.execute(sql.FAILED_STEPS, {"id": run.id}).all()
+    for run in views.dead_letters(s, limit):
+        failed = views.failed_steps(s, run.id)
         info = RunInfo.from_row(run)
         # Business context = the business part of the timeline (the hook's or the ledger's).
         events = [e for e in build_timeline(s, info) if e.source != "run"]
-        out.append(DeadLetter(run=run, failed_steps=list(failed), context=events[-6:]))
+        out.append(DeadLetter(run=run, failed_steps=failed, context=events[-6:]))
     return out
 
 
@@ -219,16 +209,15 @@ def version_matrix(s: Session) -> list[dict[str, Any]]:
     newest: dict[str, int] = {}
     for k in all_kinds():
         newest[k.name] = max(newest.get(k.name, 0), k.version)
-    rows = s.execute(sql.VERSION_MATRIX).all()
     table: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in rows:
+    for r in views.version_matrix(s):
         e = table.setdefault(
             (r.kind, r.version),
             {"kind": r.kind, "version": r.version, "counts": {}, "active": 0, "oldest_active": None},
         )
-        e["counts"][r.status] = int(r.n)
+        e["counts"][r.status] = r.n
         if r.status in ACTIVE:
-            e["active"] += int(r.n)
+            e["active"] += r.n
             if r.oldest_active and (e["oldest_active"] is None or r.oldest_active < e["oldest_active"]):
                 e["oldest_active"] = r.oldest_active
     for (kind, version), e in table.items():
@@ -246,11 +235,9 @@ def version_matrix(s: Session) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------ parked
 
 
-def parked_runs(s: Session, limit: int = 200) -> tuple[list[Any], list[Any]]:
+def parked_runs(s: Session, limit: int = 200) -> tuple[list[ParkedRun], list[ParkedTopic]]:
     """Waiting steps with their topic and timer, and per topic: how many wait, last signal."""
-    rows = s.execute(sql.PARKED_RUNS, {"limit": limit}).all()
-    topics = s.execute(sql.PARKED_TOPICS).all()
-    return list(rows), list(topics)
+    return views.parked_runs(s, limit), views.parked_topics(s)
 
 
 # ------------------------------------------------------------------------------------ outbox

@@ -69,7 +69,9 @@ class RunInfo:
 
     @classmethod
     def from_row(cls, row: Any) -> RunInfo:
-        m = row._mapping
+        """From a run row: `proj.engine.store.views.Run`, or any row with `_asdict()` (a
+        NamedTuple, a SQLAlchemy `Row`) holding at least the identity columns and `input`."""
+        m = row._asdict()
         return cls(
             id=m["id"],
             kind=m["kind"],

@@ -198,8 +198,8 @@ class Snapshot:
     created_at: datetime
     now: datetime
     events: list[Any]
-    copies: list[Any]
-    problems: list[Any]
+    copies: list[views.KeyedStep]
+    problems: list[views.EndedBadly]
 
     def at(self, t: datetime | None = None) -> float:
         return offset(self.created_at, t or self.now) or 0.0
@@ -222,8 +222,8 @@ def snapshot(task_id: uuid.UUID) -> Snapshot:
             text("SELECT id, what, detail, at FROM acq.task_event WHERE download_task_id = :id ORDER BY id"),
             {"id": task_id},
         ).all()
-        copies = s.execute(views.STEPS_NAMED_BY_KEY, {"key": f"import:{task_id}", "step": "copy"}).all()
-        problems = s.execute(views.ENDED_BADLY_BY_KEYS, {"keys": run_keys(task_id)}).all()
+        copies = views.steps_named_by_key(s, f"import:{task_id}", "copy")
+        problems = views.ended_badly_by_keys(s, run_keys(task_id))
     return Snapshot(task.status, task.progress, task.created_at, task.now, events, copies, problems)
 
 
@@ -236,7 +236,7 @@ def describe(detail: dict[str, Any] | None) -> str:
     return " ".join(parts)
 
 
-def copy_state(row: Any) -> tuple[str, float]:
+def copy_state(row: views.KeyedStep) -> tuple[str, float]:
     """A copy step's file and fraction done (its `engine.step.progress`: done/total)."""
     p = row.progress or {}
     frac = 1.0 if row.status == "succeeded" else (p["done"] / p["total"] if p.get("total") else 0.0)
@@ -341,7 +341,7 @@ def hook_signalled(infohash: str, wait_s: float) -> datetime | None:
     deadline = time.monotonic() + wait_s
     while True:
         with db.transaction() as s:
-            at = s.scalar(views.FIRST_SIGNAL, {"topic": f"download:{infohash}"})
+            at = views.first_signal(s, f"download:{infohash}")
         if at is not None or time.monotonic() >= deadline:
             return at
         time.sleep(0.2)
@@ -353,8 +353,8 @@ def print_errors(task_id: uuid.UUID, swarm: Swarm) -> None:
     from proj import db
 
     with db.transaction() as s:
-        runs = s.execute(views.RUNS_WITH_OPEN_STEPS_BY_KEYS, {"keys": run_keys(task_id)}).all()
-        errors = s.execute(views.STEP_ERRORS_BY_KEYS, {"keys": run_keys(task_id)}).all()
+        runs = views.runs_with_open_steps_by_keys(s, run_keys(task_id))
+        errors = views.step_errors_by_keys(s, run_keys(task_id))
     for r in runs:
         at = f" (steps: {r.open_steps})" if r.open_steps else ""
         why = f": {json.dumps(r.last_error)}" if r.last_error else ""

@@ -42,14 +42,14 @@ def expected_digests(title: str, parts: int) -> list[str]:
     return [hashlib.sha256(f"{title}#{i}".encode()).hexdigest()[:12] for i in range(parts)]
 
 
-def step_rows(run_id: uuid.UUID) -> tuple[Any, list[Any]]:
+def step_rows(run_id: uuid.UUID) -> tuple[views.RunWithClock, list[views.StepLine]]:
     """The run row and its step rows, with the database's clock for consistent offsets."""
 
     from proj import db
 
     with db.transaction() as s:
-        run = s.execute(views.RUN_WITH_CLOCK, {"id": run_id}).one()
-        steps = s.execute(views.STEPS_OF_RUN, {"id": run_id}).all()
+        run = views.run_with_clock(s, run_id)
+        steps = views.steps_of_run(s, run_id)
     return run, steps
 
 
@@ -72,7 +72,7 @@ def bar(start: float | None, end: float, total: float, style: str) -> Text:
     )
 
 
-def render(run_id: uuid.UUID, run: Any, steps: list[Any]) -> Group:
+def render(run_id: uuid.UUID, run: views.RunWithClock, steps: list[views.StepLine]) -> Group:
     """The timeline table: one row per step, offsets relative to the run's creation."""
     t0 = run.created_at
     now = offset(t0, run.finished_at or run.now) or 0.0
@@ -98,7 +98,7 @@ def render(run_id: uuid.UUID, run: Any, steps: list[Any]) -> Group:
     return Group(head, table)
 
 
-def watch(run_id: uuid.UUID, deadline: float) -> Any:
+def watch(run_id: uuid.UUID, deadline: float) -> views.RunWithClock:
     """Show the run until it is terminal or the deadline passes; return the last run row.
 
     On a terminal the table redraws in place; in a pipe or log, each step's status changes are
@@ -157,7 +157,7 @@ def run_engine_demo(parts: int = 4) -> int:
     return guarded(body)
 
 
-def outcome(run_id: uuid.UUID, run: Any, parts: int) -> tuple[int, Text]:
+def outcome(run_id: uuid.UUID, run: views.RunWithClock, parts: int) -> tuple[int, Text]:
     """The exit code and the one greppable final line, from the run's status and result."""
     if run.status == "succeeded":
         result = run.result or {}
