@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None) -> Celery:
         # A worker whose processes are all busy takes no message (Redis; AMQP ignores it): a
         # recovered step's message goes to a worker that can run it now, instead of waiting
         # behind a long step in the busy one's prefetch (`bench.recovery`, issue #17).
-        worker_disable_prefetch=(settings.broker_url or "").startswith("redis"),
+        worker_disable_prefetch=settings.disable_prefetch and (settings.broker_url or "").startswith("redis"),
         task_default_queue="engine",
         task_create_missing_queues=True,
         worker_send_task_events=True,

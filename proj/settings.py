@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     )
     db_max_overflow: int = Field(default=2, ge=0)
     worker_concurrency: int = Field(default=2, ge=1)
+    disable_prefetch: bool = Field(
+        default=True,
+        description="a worker whose processes are all busy takes no message from Redis (0: prefetch)",
+    )
     expected_workers: int = Field(
         default=2, ge=1, description="worker processes (hosts x nodes) sharing the database"
     )
