@@ -24,6 +24,10 @@ on the same machine). Phases, in this order:
    wait step was re-claimed and every `after` step started. Run once per `--herd-batches`
    value of `WAKE_BATCH` (the signalling process decides how many woken steps share a message),
    side by side in one invocation. Target (issue #17): all 1,000 `after` steps running ≤ 2.0 s.
+   The last `WAKE_BATCH` runs twice: "fresh", signalled seconds after its runs parked, behind
+   the dead row versions that parking them left (~20k by then: autovacuum has not come yet),
+   and "settled", after `VACUUM (ANALYZE)` of the engine tables, the state of runs parked for
+   longer than autovacuum's minute.
 """
 
 from __future__ import annotations
@@ -259,18 +263,21 @@ def main(argv: list[str] | None = None) -> int:
                 "SELECT count(*) FROM engine.step WHERE status = 'waiting'"
             ).fetchone()[0]
 
-            def herd() -> dict[str, Any]:
+            def herd(settled: bool = False) -> dict[str, Any]:
                 herd_topic = f"herd:{bench.tag}:{uuid.uuid4().hex[:6]}:{os.environ['WAKE_BATCH']}"
                 t = time.perf_counter()
                 herd_ids = bench.park([herd_topic] * args.herd)
                 park_s = time.perf_counter() - t
                 if log:
                     print(f"{args.herd} parked on one topic in {park_s:.1f}s", file=log)
+                if settled:
+                    pg.execute("VACUUM (ANALYZE) engine.step, engine.task_run, engine.step_attempt")
                 t0, call_s, woken = bench.fire(herd_topic)
                 got = bench.times(herd_ids, t0)
                 reclaims = [g[0] for g in got]
                 afters = [g[1] for g in got]
                 return {
+                    "settled": settled,
                     "wake_batch": int(os.environ["WAKE_BATCH"]),
                     "waiters": args.herd,
                     "parked_in_s": park_s,
@@ -289,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ["WAKE_BATCH"] = str(size)  # read by runs.signal in this process
                 get_settings.cache_clear()
                 report["herd"].append(bench.phase(f"one topic, WAKE_BATCH={size}", herd))
+            report["herd"].append(bench.phase("one topic, settled", lambda: herd(settled=True)))
         finally:
             w.stop()
             b.stop()
@@ -322,19 +330,24 @@ def print_table(report: dict[str, Any]) -> None:
     print()
     for h in report["herd"]:
         print(
-            f"one topic, {h['waiters']} waiters, WAKE_BATCH={h['wake_batch']} (parked in "
+            f"one topic, {h['waiters']} waiters, WAKE_BATCH={h['wake_batch']}, "
+            f"{'settled' if h['settled'] else 'fresh'} (parked in "
             f"{h['parked_in_s']:.1f}s): signal() woke {h['woken']} in {h['signal_call_s'] * 1000:.0f} ms; "
             f"first re-claim after {h['first_reclaimed_s'] * 1000:.0f} ms, all re-claimed after "
             f"{h['all_reclaimed_s']:.2f}s, all `after` steps running after {h['all_after_s']:.2f}s "
             f"(median {h['median_after_s']:.2f}s)"
         )
-    if len(report["herd"]) > 1:
-        base, best = report["herd"][0], report["herd"][-1]
+    fresh = [h for h in report["herd"] if not h["settled"]]
+    if len(fresh) > 1:
+        base, best = fresh[0], fresh[-1]
         print(
             f"all `after` running: WAKE_BATCH={best['wake_batch']} / WAKE_BATCH={base['wake_batch']} = "
-            f"{best['all_after_s'] / base['all_after_s']:.2f} (target ≤ 2.0 s: "
-            f"{'met' if best['all_after_s'] <= 2.0 else 'NOT met'})"
+            f"{best['all_after_s'] / base['all_after_s']:.2f}"
         )
+    for h in report["herd"][-2:]:
+        state = "settled" if h["settled"] else "fresh"
+        verdict = "met" if h["all_after_s"] <= 2.0 else "NOT met"
+        print(f"target (all `after` running ≤ 2.0 s), {state}: {h['all_after_s']:.2f}s, {verdict}")
 
 
 if __name__ == "__main__":
