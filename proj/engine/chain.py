@@ -348,6 +348,34 @@ def _claim_next(s: Session, carry: Carry, kind: Kind, stage: int) -> Claim | Non
     return None if row is None else _carried(carry, nxt, row.id, row.claimed_at)
 
 
+def commit_together(held: list[tuple[Claim, Kind, Any]]) -> dict[int, Claim | None]:
+    """Commit steps whose results are known, each with its next stage's single step claimed for
+    this process, in one statement (`store.commits.succeed_and_claim_next_batch`): a mass wake's
+    checks that held. Returns, by step id, the next step's claim (None: it existed already) for
+    those that landed; a step left out was not written and takes the general path."""
+    if not held:
+        return {}
+    owner, ttl = worker_id(), get_settings().lease_ttl_s
+    carries = [(Carry(parent=c), kind, c, value) for c, kind, value in held]
+    nexts = {c.step_id: _next_step(carry, kind, c.stage + 1) for carry, kind, c, _ in carries}
+    items = [
+        commits_store.BatchedSuccess(c.step_id, c.token, c.stage, to_json(value), nexts[c.step_id])
+        for _, _, c, value in carries
+    ]
+    with db.autocommit() as conn:
+        landed = commits_store.succeed_and_claim_next_batch(conn, items, owner=owner, ttl=ttl)
+    out: dict[int, Claim | None] = {}
+    for carry, _, c, _ in carries:
+        row = landed.get(c.step_id)
+        if row is None:
+            continue
+        if row.next_id is None or row.claimed_at is None:
+            out[c.step_id] = None  # the next step existed already: not this process' to run
+        else:
+            out[c.step_id] = _carried(carry, nexts[c.step_id], row.next_id, row.claimed_at)
+    return out
+
+
 def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> Committed | None:
     """The commit of a linear chain's step in one statement, in autocommit: one round trip
     instead of four (BEGIN, succeed, advance, COMMIT), most of an inline step's cost.

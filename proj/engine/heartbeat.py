@@ -47,12 +47,16 @@ class Heartbeat:
         lease = Lease(step_id, token)
         self._ensure_thread()
         with self._lock:
+            outer = self._leases.get(step_id)
             self._leases[step_id] = lease
         try:
             yield lease
         finally:
             with self._lock:
-                self._leases.pop(step_id, None)
+                if outer is not None and outer.token == token:
+                    self._leases[step_id] = outer  # still claimed: `track_many` keeps it alive
+                else:
+                    self._leases.pop(step_id, None)
 
     @contextmanager
     def track_many(self, held: list[tuple[int, uuid.UUID]]) -> Iterator[None]:

@@ -33,9 +33,10 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from proj import db, logs
-from proj.engine import dispatch, tracing
+from proj.engine import chain, dispatch, tracing
 from proj.engine.admission import admit, any_limits, deny, handoff, limit_gates, slot_of
 from proj.engine.attempts import AttemptEnd, Carry, Claim, worker_id
 from proj.engine.children import run_child
@@ -51,7 +52,7 @@ from proj.engine.context import StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
 from proj.engine.heartbeat import HEARTBEAT
-from proj.engine.kind import Kind, get_kind
+from proj.engine.kind import Kind, WaitSpec, get_kind
 from proj.engine.status import Outcome
 from proj.engine.store import claims as store
 from proj.engine.sweeper import sweep as _sweep  # noqa: F401  registers the liveness reaper's recovery
@@ -211,9 +212,85 @@ def _deliver_batch(ids: list[int], starts_run: bool, task: tuple[str, str] | Non
         chunk, rest = rest[:CLAIM_CHUNK], rest[CLAIM_CHUNK:]
         claims = _claim_batch(chunk)
         with HEARTBEAT.track_many([(c.step_id, c.token) for c in claims]):
-            for c in claims:
-                outcome = _run_chain(c)
+            outcome = _run_chunk(claims) or outcome
     return outcome
+
+
+def _run_chunk(claims: list[Claim]) -> str | None:
+    """The claimed steps of a chunk. Wait steps whose check holds commit together.
+
+    Why: in a mass wake each woken step is a check that holds, then a commit that claims its
+    run's next step. One commit statement per run was the heaviest statement left
+    (`bench.signal_latency`, herd). So the chunk's checks run first, and the steps whose check
+    held commit in one statement (`chain.commit_together`), each fenced by its own token, with
+    its next step claimed for this process. Then each carried chain runs as usual. A step that
+    is not such a wait, or whose check did not hold or failed, or whose commit did not land,
+    runs through the ladder (`_run_chain`), which checks again: checks only read.
+    """
+    outcome: str | None = None
+    held: list[tuple[Claim, Kind, Any]] = []
+    rest: list[Claim] = []
+    for c in claims:
+        kind = get_kind(c.kind, c.version)
+        spec = _together(c, kind)
+        value = _check(c, kind, spec) if spec is not None else None
+        if value:
+            held.append((c, kind, value))
+        else:
+            rest.append(c)
+    landed = chain.commit_together(held)
+    for c, _, _ in held:
+        if c.step_id not in landed:
+            rest.append(c)
+            continue
+        log.debug("step %s attempt %s: the check held, committed with its chunk", c.step_id, c.attempt)
+        outcome = Outcome.SUCCEEDED
+        nxt = landed[c.step_id]
+        if nxt is not None:
+            outcome = _run_chain(nxt)
+    for c in rest:
+        outcome = _run_chain(c)
+    return outcome
+
+
+def _together(c: Claim, kind: Kind) -> WaitSpec | None:
+    """The wait of `c` when its check may commit with its chunk: a database check (not a timer
+    or a bare signal) of a one-step stage followed by a one-step stage, in a kind without limits,
+    with no span to record (a traced attempt takes the ladder, which records it)."""
+    spec = kind.step_def(c.name).wait
+    if spec is None or spec.check is None or spec.until is not None or kind.has_limits:
+        return None
+    following = c.stage + 1
+    if following >= len(kind.canvas) or not kind.canvas[c.stage].single or not kind.canvas[following].single:
+        return None
+    if get_settings().inline_steps <= 0 or not tracing.skipped(c.trace):
+        return None
+    return spec
+
+
+def _check(c: Claim, kind: Kind, spec: WaitSpec) -> Any:
+    """Run a wait's check for a claimed step, as the ladder would; None when it raised (the
+    ladder runs it again and records the failure)."""
+    assert spec.check is not None
+    fields = logs.StepFields(str(c.run_id), c.kind, c.name, c.attempt, worker_id())
+    with logs.step_fields(fields), HEARTBEAT.track(c.step_id, c.token) as lease:
+        ctx = StepContext(
+            run_id=c.run_id,
+            kind=kind,
+            raw_input=c.input,
+            step_id=c.step_id,
+            step=c.name,
+            stage=c.stage,
+            attempt=c.attempt,
+            item=c.item,
+            item_index=c.item_index,
+            lease=lease,
+        )
+        try:
+            return spec.check(ctx)
+        except Exception as exc:
+            log.debug("step %s: check raised %r; the ladder runs it again", c.step_id, exc)
+            return None
 
 
 def _claim_batch(ids: list[int]) -> list[Claim]:

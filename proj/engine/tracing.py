@@ -131,6 +131,11 @@ def enqueue_span(
         yield span, (carrier or None)
 
 
+def skipped(carrier: Mapping[str, Any] | None) -> bool:
+    """Whether `step_span` would skip this attempt's span (no trace to join, no tracer set)."""
+    return not carrier and _off()
+
+
 @contextmanager
 def step_span(
     carrier: Mapping[str, Any] | None,
@@ -146,7 +151,7 @@ def step_span(
 
     `item_index` is the position of a fan-out item (None for a plain step).
     """
-    if not carrier and _off():
+    if skipped(carrier):
         yield trace.INVALID_SPAN  # nothing to join and nowhere to send it: skip the span's cost
         return
     ctx = propagate.extract(dict(carrier)) if carrier else None

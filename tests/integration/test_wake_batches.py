@@ -134,9 +134,9 @@ def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
 def test_claimed_steps_waiting_their_turn_keep_their_lease(
     procs, wake_batch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The steps of a chunk are claimed together and run one after another: while the first
-    runs longer than a lease (`LEASE_TTL_S=3` in the tests), the heartbeat keeps the others'
-    leases alive, so no sweeper could hand them to another worker meanwhile."""
+    """The steps of a chunk are claimed together and checked one after another: while the first
+    check runs longer than a lease (`LEASE_TTL_S=3` in the tests), the heartbeat keeps the
+    others' leases alive, so no sweeper could hand them to another worker meanwhile."""
     import time
 
     from proj.engine import protocol
@@ -148,9 +148,9 @@ def test_claimed_steps_waiting_their_turn_keep_their_lease(
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
     assert runs.signal(f"approval:{key}") == 8
     seen: list[int] = []
-    run_chain = protocol._run_chain
+    check = protocol._check
 
-    def slow_first(c):  # the first claimed step runs for longer than a lease
+    def slow_first(c, kind, spec):  # the first claimed step's check runs longer than a lease
         if not seen:
             time.sleep(get_settings().lease_ttl_s + 1.5)
             seen.append(
@@ -160,10 +160,71 @@ def test_claimed_steps_waiting_their_turn_keep_their_lease(
                     (ids,),
                 )
             )
-        return run_chain(c)
+        return check(c, kind, spec)
 
-    monkeypatch.setattr(protocol, "_run_chain", slow_first)
+    monkeypatch.setattr(protocol, "_check", slow_first)
     protocol.execute(ids[0], more=ids[1:], task=("gated.v1.approval", "gated.v1"), limited=False)
     assert seen == [8]  # all eight claimed, every lease still live after more than a lease
     assert scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 8
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 8
+
+
+def _recorded_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Statements this thread sends through psycopg (SQLAlchemy's included)."""
+    import threading
+
+    import psycopg
+
+    seen: list[str] = []
+    execute, mine = psycopg.Cursor.execute, threading.get_ident()
+
+    def recording(self, query, *args, **kwargs):
+        if threading.get_ident() == mine:
+            seen.append(str(query))
+        return execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", recording)
+    return seen
+
+
+def test_a_chunks_held_checks_commit_in_one_statement(
+    procs, wake_batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The woken wait steps of a chunk run their checks, then the ones that held commit together
+    (`store.commits.SUCCEED_AND_CLAIM_NEXT_BATCH`), each fenced by its own token and with its
+    run's next step claimed; then each `after` runs inline. One run canceled between the claim
+    and the commit is left out of it (its guard) and ends canceled through the ladder."""
+    from proj.engine import protocol
+    from tests.support.services import sql
+
+    key = new_key()
+    park(procs, 8, key)
+    ids = parked_wait_steps()
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert runs.signal(f"approval:{key}") == 8
+    canceled = scalar("SELECT run_id FROM engine.step WHERE id = %s", (ids[3],))
+    real_check = protocol._check
+
+    def check_then_cancel_one(c, kind, spec):
+        value = real_check(c, kind, spec)
+        if c.step_id == ids[3]:
+            runs.cancel(canceled, "asked while its chunk was being checked")
+        return value
+
+    monkeypatch.setattr(protocol, "_check", check_then_cancel_one)
+    seen = _recorded_statements(monkeypatch)
+    protocol.execute(ids[0], more=ids[1:], task=("gated.v1.approval", "gated.v1"), limited=False)
+
+    together = [q for q in seen if "w.next_tok" in q]
+    assert len(together) == 1, "one commit statement for the chunk's checks that held"
+    # Only the canceled run's step tried to commit alone, through the ladder, and was refused.
+    assert len([q for q in seen if "%(next_tok)s" in q]) == 1
+    statuses = dict(sql("SELECT status, count(*) FROM engine.task_run GROUP BY status"))
+    assert statuses == {"succeeded": 7, "canceled": 1}
+    assert scalar("SELECT count(DISTINCT run_id) FROM testkit.execution WHERE step = 'after'") == 7
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 7
+    per_step = scalar(
+        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.step_attempt a "
+        "JOIN engine.step s ON s.id = a.step_id WHERE s.name = 'approval' GROUP BY s.id) c"
+    )
+    assert per_step == [2]  # parked once, claimed once after the wake

@@ -12,6 +12,7 @@ fenced one returns None or False when the commit was refused.
 | `succeed_and_lock_run` | running → succeeded (result) | row locked for the advance |
 | `succeed_and_claim_next` | running → succeeded; next stage's single step inserted running | pointer moved |
 | `succeed_and_publish_next` | running → succeeded; next single step pending, published | pointer moved |
+| `succeed_and_claim_next_batch` | each of a chunk as `succeed_and_claim_next` | each pointer moved |
 | `succeed_and_finish` | running → succeeded | → succeeded with the result |
 | `fail_or_retry` | running → failed (final) or pending after a backoff | |
 | `record_retry_error` | | `last_error` of the retried attempt |
@@ -139,6 +140,64 @@ SUCCEED_AND_PUBLISH_NEXT = text(
          WHERE id = :run AND EXISTS (SELECT FROM done)
     )
     SELECT done.id, ins.id AS next_id FROM done LEFT JOIN ins ON true
+    """
+)
+
+# The commits of a chunk of wait steps whose checks held (a mass wake: `protocol._run_chunk`), in
+# one statement: for each, what `SUCCEED_AND_CLAIM_NEXT` does for one, with the same guards row by
+# row. Step rows are locked in id order, then run rows in id order (the protocol's lock order,
+# step before run), so two chunk commits never deadlock; a row whose guard fails is left out and
+# its step takes the general path (`tests/integration/test_wake_batches.py`).
+SUCCEED_AND_CLAIM_NEXT_BATCH = text(
+    """
+    WITH w AS MATERIALIZED (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:toks AS uuid[]), CAST(:stages AS int[]),
+                             CAST(:results AS text[]), CAST(:next_names AS text[]),
+                             CAST(:next_labels AS text[]), CAST(:next_maxs AS int[]),
+                             CAST(:next_toks AS uuid[]))
+               AS w(id, tok, stage, result, next_name, next_label, next_max, next_tok)
+    ), me AS MATERIALIZED (
+        SELECT s.id, s.run_id FROM engine.step s JOIN w ON w.id = s.id
+         WHERE s.lease_token = w.tok AND s.status = 'running'
+         ORDER BY s.id
+           FOR UPDATE OF s
+    ), run AS MATERIALIZED (
+        SELECT r.id, me.id AS step_id FROM engine.task_run r
+          JOIN me ON r.id = me.run_id JOIN w ON w.id = me.id
+         WHERE r.current_stage = w.stage AND r.cancel_requested_at IS NULL
+           AND r.status NOT IN ('succeeded', 'failed', 'canceled')
+           AND (r.deadline_at IS NULL OR r.deadline_at > now())
+         ORDER BY r.id
+           FOR UPDATE OF r
+    ), done AS (
+        UPDATE engine.step s SET status = 'succeeded', result = CAST(w.result AS jsonb),
+               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+          FROM w, run
+         WHERE s.id = w.id AND run.step_id = s.id AND s.lease_token = w.tok AND s.status = 'running'
+     RETURNING s.id, s.run_id
+    ), closed AS (
+        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
+          FROM done JOIN w ON w.id = done.id
+         WHERE a.step_id = done.id AND a.lease_token = w.tok
+    ), ins AS (
+        INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
+                                 published_at, status, lease_token, lease_owner, lease_until,
+                                 attempts, started_at)
+        SELECT done.run_id, w.stage + 1, w.next_name, 0, w.next_max, now(), now(), 'running',
+               w.next_tok, :owner, now() + make_interval(secs => :ttl), 1, now()
+          FROM done JOIN w ON w.id = done.id
+        ON CONFLICT (run_id, stage, item_index) DO NOTHING
+        RETURNING id, run_id, lease_token, now() AS claimed_at
+    ), pointed AS (
+        UPDATE engine.task_run t SET current_stage = w.stage + 1, current_step = w.next_label,
+               updated_at = now()
+          FROM done JOIN w ON w.id = done.id
+         WHERE t.id = done.run_id
+    ), attempt AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
+        SELECT id, 1, lease_token, :owner FROM ins
+    )
+    SELECT done.id, ins.id AS next_id, ins.claimed_at FROM done LEFT JOIN ins ON ins.run_id = done.run_id
     """
 )
 
@@ -283,6 +342,37 @@ def succeed_and_publish_next(
     }
     row = conn.first(SUCCEED_AND_PUBLISH_NEXT, params)
     return None if row is None else SucceededAndQueued(*row)
+
+
+class BatchedSuccess(NamedTuple):
+    """One step of `succeed_and_claim_next_batch`: its claim's token and stage, its result (JSON)
+    and the next stage's single step to insert claimed under `next_step.token`."""
+
+    step_id: int
+    token: uuid.UUID
+    stage: int
+    result: str
+    next_step: NextStep
+
+
+def succeed_and_claim_next_batch(
+    conn: db.Autocommit, items: list[BatchedSuccess], *, owner: str, ttl: float
+) -> dict[int, SucceededAndClaimed]:
+    """The one-statement commits of several steps at once; the steps that landed, by id (one
+    left out was refused or its run was not where a plain advance expects: nothing written)."""
+    params = {
+        "ids": [i.step_id for i in items],
+        "toks": [i.token for i in items],
+        "stages": [i.stage for i in items],
+        "results": [i.result for i in items],
+        "next_names": [i.next_step.name for i in items],
+        "next_labels": [i.next_step.label for i in items],
+        "next_maxs": [i.next_step.max_attempts for i in items],
+        "next_toks": [i.next_step.token for i in items],
+        "owner": owner,
+        "ttl": ttl,
+    }
+    return {row[0]: SucceededAndClaimed(*row) for row in conn.all(SUCCEED_AND_CLAIM_NEXT_BATCH, params)}
 
 
 def succeed_and_finish(
