@@ -95,6 +95,15 @@ def test_a_batch_past_its_budget_hands_the_rest_back(procs, wake_batch) -> None:
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 16
 
 
+@pytest.fixture
+def untraced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tracer set in this process, whatever an earlier test configured: a traced attempt
+    takes the ladder (which records its span), not the chunk's commit."""
+    from proj.engine import tracing
+
+    monkeypatch.setattr(tracing, "_off", lambda: True)
+
+
 def parked_wait_steps() -> list[int]:
     from tests.support.services import sql
 
@@ -132,7 +141,7 @@ def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
 
 
 def test_claimed_steps_waiting_their_turn_keep_their_lease(
-    procs, wake_batch, monkeypatch: pytest.MonkeyPatch
+    procs, wake_batch, untraced, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The steps of a chunk are claimed together and checked one after another: while the first
     check runs longer than a lease (`LEASE_TTL_S=3` in the tests), the heartbeat keeps the
@@ -144,6 +153,7 @@ def test_claimed_steps_waiting_their_turn_keep_their_lease(
 
     key = new_key()
     park(procs, 8, key)
+    sql("UPDATE engine.task_run SET trace = NULL")  # untraced runs (an earlier test set a tracer)
     ids = parked_wait_steps()
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
     assert runs.signal(f"approval:{key}") == 8
@@ -188,7 +198,7 @@ def _recorded_statements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_a_chunks_held_checks_commit_in_one_statement(
-    procs, wake_batch, monkeypatch: pytest.MonkeyPatch
+    procs, wake_batch, untraced, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The woken wait steps of a chunk run their checks, then the ones that held commit together
     (`store.commits.SUCCEED_AND_CLAIM_NEXT_BATCH`), each fenced by its own token and with its
@@ -199,6 +209,7 @@ def test_a_chunks_held_checks_commit_in_one_statement(
 
     key = new_key()
     park(procs, 8, key)
+    sql("UPDATE engine.task_run SET trace = NULL")  # untraced runs (an earlier test set a tracer)
     ids = parked_wait_steps()
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
     assert runs.signal(f"approval:{key}") == 8
