@@ -51,7 +51,7 @@ from proj.engine.commits import (
 from proj.engine.context import StepContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import CancelRequested, DeadlineExceeded, LeaseLost
-from proj.engine.heartbeat import HEARTBEAT
+from proj.engine.heartbeat import HEARTBEAT, Lease
 from proj.engine.kind import Kind, WaitSpec, get_kind
 from proj.engine.status import Outcome
 from proj.engine.store import claims as store
@@ -274,20 +274,8 @@ def _check(c: Claim, kind: Kind, spec: WaitSpec) -> Any:
     assert spec.check is not None
     fields = logs.StepFields(str(c.run_id), c.kind, c.name, c.attempt, worker_id())
     with logs.step_fields(fields), HEARTBEAT.track(c.step_id, c.token) as lease:
-        ctx = StepContext(
-            run_id=c.run_id,
-            kind=kind,
-            raw_input=c.input,
-            step_id=c.step_id,
-            step=c.name,
-            stage=c.stage,
-            attempt=c.attempt,
-            item=c.item,
-            item_index=c.item_index,
-            lease=lease,
-        )
         try:
-            return spec.check(ctx)
+            return spec.check(_context(c, kind, lease))
         except Exception as exc:
             log.debug("step %s: check raised %r; the ladder runs it again", c.step_id, exc)
             return None
@@ -353,6 +341,23 @@ def _run_claimed(c: Claim, budget: InlineBudget) -> tuple[str, Claim | None]:
     return end.outcome, end.next if end.outcome == Outcome.SUCCEEDED else None
 
 
+def _context(c: Claim, kind: Kind, lease: Lease, committer: InBodyCommit | None = None) -> StepContext:
+    """The context a claimed attempt's body (or wait check) runs with."""
+    return StepContext(
+        run_id=c.run_id,
+        kind=kind,
+        raw_input=c.input,
+        step_id=c.step_id,
+        step=c.name,
+        stage=c.stage,
+        attempt=c.attempt,
+        item=c.item,
+        item_index=c.item_index,
+        lease=lease,
+        committer=committer,
+    )
+
+
 def _attempt(c: Claim, kind: Kind, carry: Carry | None = None) -> tuple[AttemptEnd, BaseException | None]:
     """Body (or wait check) and its fenced commit, under the heartbeat.
 
@@ -363,19 +368,7 @@ def _attempt(c: Claim, kind: Kind, carry: Carry | None = None) -> tuple[AttemptE
     plain = sdef.wait is None and sdef.child is None  # only a plain body may `finish()`
     error: BaseException | None = None
     with HEARTBEAT.track(c.step_id, c.token) as lease:
-        ctx = StepContext(
-            run_id=c.run_id,
-            kind=kind,
-            raw_input=c.input,
-            step_id=c.step_id,
-            step=c.name,
-            stage=c.stage,
-            attempt=c.attempt,
-            item=c.item,
-            item_index=c.item_index,
-            lease=lease,
-            committer=in_body if plain else None,
-        )
+        ctx = _context(c, kind, lease, in_body if plain else None)
         try:
             if sdef.wait is not None:
                 end = run_wait(c, ctx, kind, sdef.wait, carry)
