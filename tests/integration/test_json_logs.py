@@ -44,7 +44,10 @@ def test_worker_logs_are_json_with_the_step_fields(procs) -> None:
     assert first["run_id"] == str(run_id) and first["kind"] == "flaky" and first["step"] == "fails"
     assert first["attempt"] == 1 and first["level"] == "INFO" and first["logger"] == "proj.engine.commits"
     assert first["worker"].startswith(socket.gethostname() + ":")
-    assert first["trace_id"] is None  # tracing is off in this worker: unknown, not invented
+    # No tracer in this worker: the line carries the trace the run was enqueued in, if any (a
+    # test before this one may have installed a tracer in this process), and never an invented one.
+    traceparent = scalar("SELECT trace->>'traceparent' FROM engine.task_run WHERE id = %s", (run_id,))
+    assert first["trace_id"] == (traceparent.split("-")[1] if traceparent else None)
     assert [line["attempt"] for line in retries] == sorted(line["attempt"] for line in retries)
     outside = [line for line in lines if line["message"].endswith(" ready.")][0]
     assert outside["run_id"] is None and outside["step"] is None  # not in a step

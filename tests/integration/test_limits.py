@@ -6,7 +6,6 @@ holds if those intervals never overlap more than the limit allows.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import datetime
 from typing import Any
@@ -18,6 +17,7 @@ from proj.engine.errors import InvalidInput
 from proj.engine.sweeper import sweep
 from proj.settings import get_settings
 from tests.conftest import new_key
+from tests.support.plans import generic_plan
 from tests.support.services import scalar, sql, wait_for
 
 
@@ -346,37 +346,6 @@ def test_global_and_key_limits_together(inproc) -> None:
         assert max_overlap([(r[1], r[2]) for r in rows if r[0] == k]) == 1
 
 
-def _generic_plan(statement: Any, values: dict[str, str], types: dict[str, str]) -> str:
-    """EXPLAIN ANALYZE of the plan a prepared statement gets once the driver has prepared it
-    (psycopg does after 5 runs), rolled back. `values` are SQL literals per bind name."""
-    import re
-
-    import psycopg
-
-    from tests.support.services import pg_url
-
-    names: list[str] = []
-
-    def bind(m: re.Match[str]) -> str:
-        if m.group(1) not in names:
-            names.append(m.group(1))
-        return f"${names.index(m.group(1)) + 1}"
-
-    body = re.sub(r"(?<!:):(\w+)", bind, statement.text)
-    # A session of its own (PREPARE and SET outlive a transaction pooler's transaction): the
-    # direct URL when the suite runs through PgBouncer (`PROJ_TEST_PGBOUNCER`).
-    direct = os.environ.get("LIVENESS_DATABASE_URL") or pg_url()
-    with psycopg.connect(direct.replace("postgresql+psycopg://", "postgresql://")) as conn:
-        conn.execute("SET plan_cache_mode = force_generic_plan")
-        conn.execute(f"PREPARE probe ({', '.join(types[n] for n in names)}) AS " + body)
-        rows = conn.execute(
-            f"EXPLAIN (ANALYZE, COSTS OFF) EXECUTE probe({', '.join(values[n] for n in names)})"
-        )
-        plan = "\n".join(r[0] for r in rows)
-        conn.rollback()
-    return plan
-
-
 CLAIM_TYPES = {"id": "bigint", "tok": "uuid", "owner": "text", "ttl": "float8"}
 
 
@@ -410,9 +379,9 @@ def test_a_claim_reads_its_step_by_primary_key_under_a_backlog() -> None:
         for _ in range(1500):
             runs.insert_run(s, "ranked", {"hold_s": 0}, idempotency_key=new_key())
     step_id = scalar("SELECT max(id) FROM engine.step WHERE status = 'pending'")
-    plan = _generic_plan(claims.CLAIM, _claim_values(step_id), CLAIM_TYPES)
+    plan = generic_plan(claims.CLAIM, _claim_values(step_id), CLAIM_TYPES)
     assert "Index Scan using step_pkey on step s" in plan and "step_due_idx" not in plan, plan
-    slot = _generic_plan(admission.SLOT_OF, {"id": str(step_id)}, {"id": "bigint"})  # limited kinds
+    slot = generic_plan(admission.SLOT_OF, {"id": str(step_id)}, {"id": "bigint"})  # limited kinds
     assert "Index Scan using step_pkey on step s" in slot and "step_due_idx" not in slot, slot
 
 
@@ -432,7 +401,7 @@ def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
     if analyzed:
         sql("ANALYZE engine.task_run, engine.step")
     step_id = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
-    plan = _generic_plan(claims.CLAIM_START, _claim_values(step_id), CLAIM_TYPES)
+    plan = generic_plan(claims.CLAIM_START, _claim_values(step_id), CLAIM_TYPES)
     better = plan[plan.index("CTE better") : plan.index("CTE claimed")]
     assert re.search(
         r"Index Scan using task_run_start_idx on task_run r2 [^\n]*\n\s+Index Cond: "

@@ -3,9 +3,11 @@
 A signal is stored before anyone is woken, under the topic's advisory lock (`LOCK_TOPIC`), and a
 park checks, under the same lock, for a signal stored since its check began (`SIGNAL_SINCE`):
 a signal racing a park is never lost. Each wake is one statement: the parked steps go back to
-`pending` (marked published: the caller sends their messages after commit) and their runs show
-`running` again, in one round trip. Only steps still `waiting` move (the guard in the WHERE
-clause). Proofs: `tests/integration/test_waits_cancel.py`, `tests/integration/test_wake_batches.py`.
+`pending` (marked published: the caller sends their messages after commit), in one round trip.
+Only steps still `waiting` move (the guard in the WHERE clause). A run shows `running` again
+when a worker claims its woken step: every claim moves a `waiting` run to `running`
+(`store.claims`), so the wake itself writes no run row. Proofs:
+`tests/integration/test_waits_cancel.py`, `tests/integration/test_wake_batches.py`.
 
 Each function runs the statement named like it in capitals (`park`: `PARK`).
 
@@ -16,8 +18,8 @@ Each function runs the statement named like it in capitals (`park`: `PARK`).
 | `latest_signal`, `signal_since`, `reached` | | the newest signal, one since a time, a timer due |
 | `park` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
 | `run_waiting` | run running, no step running or pending | waiting |
-| `wake_topic` | steps waiting on the topic | pending, published; runs running |
-| `wake_due_timers` | steps waiting past `wait_until` | pending, published; runs running |
+| `wake_topic` | steps waiting on the topic | pending, published (runs: at their claim) |
+| `wake_due_timers` | steps waiting past `wait_until` | pending, published (runs: at their claim) |
 """
 
 from __future__ import annotations
@@ -83,38 +85,32 @@ class Woken(NamedTuple):
 
 # A signal's wake records when it woke the step (`signalled_at`): the start of
 # `proj_signal_wake_seconds`, whose end is the step's next claim (`store.stats`).
+# The wake writes the steps only. It used to move their runs to `running` in a second CTE
+# joined to the woken steps; whenever the statistics were taken while few runs waited (a mass
+# wake minutes after its runs parked, before autovacuum analyzes again) the planner estimated
+# that CTE at one row and rescanned it once per waiting run: 0.32 s of a 1,000-run wake
+# (`tests/integration/test_wake_batches.py::test_a_mass_wake_finds_its_runs_by_primary_key`). The claim
+# moves each run to `running` anyway, one primary-key row at a time.
 WAKE_TOPIC = text(
     """
-    WITH woken AS (
-        UPDATE engine.step s
-           SET status = 'pending', next_attempt_at = now(), published_at = now(),
-               signalled_at = now()
-          FROM engine.task_run r
-         WHERE r.id = s.run_id AND s.status = 'waiting' AND s.wait_topic = :topic
-     RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
-    ), running AS (
-        UPDATE engine.task_run SET status = 'running', updated_at = now()
-         WHERE id IN (SELECT run_id FROM woken) AND status = 'waiting'
-    )
-    SELECT id, run_id, name, kind, version, priority FROM woken
+    UPDATE engine.step s
+       SET status = 'pending', next_attempt_at = now(), published_at = now(),
+           signalled_at = now()
+      FROM engine.task_run r
+     WHERE r.id = s.run_id AND s.status = 'waiting' AND s.wait_topic = :topic
+    RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
     """
 )
 
 WAKE_DUE_TIMERS = text(
     """
-    WITH woken AS (
-        UPDATE engine.step s
-           SET status = 'pending', next_attempt_at = now(), published_at = now()
-          FROM engine.task_run r
-         WHERE r.id = s.run_id AND s.status = 'waiting'
-           AND s.id IN (SELECT id FROM engine.step
-                         WHERE status = 'waiting' AND wait_until <= now() LIMIT :limit)
-     RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
-    ), running AS (
-        UPDATE engine.task_run SET status = 'running', updated_at = now()
-         WHERE id IN (SELECT run_id FROM woken) AND status = 'waiting'
-    )
-    SELECT id, run_id, name, kind, version, priority FROM woken
+    UPDATE engine.step s
+       SET status = 'pending', next_attempt_at = now(), published_at = now()
+      FROM engine.task_run r
+     WHERE r.id = s.run_id AND s.status = 'waiting'
+       AND s.id IN (SELECT id FROM engine.step
+                     WHERE status = 'waiting' AND wait_until <= now() LIMIT :limit)
+    RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
     """
 )
 
