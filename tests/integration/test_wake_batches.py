@@ -273,7 +273,8 @@ def test_a_mass_wake_finds_its_runs_by_primary_key() -> None:
     )
     herd = scalar("SELECT count(*) FROM engine.step WHERE wait_topic = 'herd'")
     plan = generic_plan(waits.WAKE_TOPIC, {"topic": "'herd'"}, {"topic": "text"})
-    probes = re.search(r"Index Scan using task_run_pkey on task_run r \(actual [^)]*rows=1 loops=(\d+)\)", plan)
+    probe = r"Index Scan using task_run_pkey on task_run r \(actual [^)]*rows=1 loops=(\d+)\)"
+    probes = re.search(probe, plan)
     assert probes and int(probes.group(1)) == herd, plan
     assert "CTE Scan" not in plan and "Join Filter" not in plan, plan
 
