@@ -226,8 +226,14 @@ def test_a_chunks_held_checks_commit_in_one_statement(
 
     monkeypatch.setattr(protocol, "_check", check_then_cancel_one)
     seen = _recorded_statements(monkeypatch)
-    protocol.execute(ids[0], more=ids[1:], task=("gated.v1.approval", "gated.v1"), limited=False)
+    # As the worker calls it: `approval`, a first step, is `gated`'s start step (`starts_run`).
+    # The batched message names woken steps only, so it is claimed in one statement all the same.
+    protocol.execute(
+        ids[0], more=ids[1:], starts_run=True, task=("gated.v1.approval", "gated.v1"), limited=False
+    )
 
+    assert len([q for q in seen if "want AS MATERIALIZED" in q]) == 1, "one claim statement for the chunk"
+    assert not [q for q in seen if "better AS" in q], "no start claim: the runs started long ago"
     together = [q for q in seen if "w.next_tok" in q]
     assert len(together) == 1, "one commit statement for the chunk's checks that held"
     # Only the canceled run's step tried to commit alone, through the ladder, and was refused.
