@@ -249,6 +249,32 @@ def test_a_chunks_held_checks_commit_in_one_statement(
     assert per_step == [2]  # parked once, claimed once after the wake
 
 
+def _parked_crowd(waiting: int, topic: str = "herd") -> None:
+    """Statistics taken while 3,000 runs had finished and none waited, then `waiting` of them
+    parked on `topic` (inserted directly: the state of a mass wake minutes after its runs
+    parked, before autovacuum analyzes again)."""
+    sql(
+        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
+        "SELECT gen_random_uuid(), 'gated', 1, 'herd-' || g, '{}', 'h', 'succeeded' "
+        "FROM generate_series(1, 3000) g"
+    )
+    sql(
+        "INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, status) "
+        "SELECT id, 0, 'approval', 0, 3, 'succeeded' FROM engine.task_run"
+    )
+    sql("ANALYZE engine.task_run, engine.step")
+    sql(
+        "UPDATE engine.task_run SET status = 'waiting' "
+        "WHERE id IN (SELECT id FROM engine.task_run ORDER BY id LIMIT %s)",
+        (waiting,),
+    )
+    sql(
+        "UPDATE engine.step s SET status = 'waiting', wait_topic = %s "
+        "FROM engine.task_run r WHERE r.id = s.run_id AND r.status = 'waiting'",
+        (topic,),
+    )
+
+
 def test_a_mass_wake_finds_its_runs_by_primary_key() -> None:
     """Statistics taken while no run waited, then 1,500 runs parked on one topic and 500 on
     others (a mass wake minutes after its runs parked, before autovacuum analyzed again): the
@@ -258,25 +284,8 @@ def test_a_mass_wake_finds_its_runs_by_primary_key() -> None:
     move to `running` at their claims (`test_the_claim_moves_a_woken_run_to_running`)."""
     from proj.engine.store import waits
 
-    sql(
-        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
-        "SELECT gen_random_uuid(), 'gated', 1, 'herd-' || g, '{}', 'h', 'succeeded' "
-        "FROM generate_series(1, 3000) g"
-    )
-    sql(
-        "INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, status) "
-        "SELECT id, 0, 'wait', 0, 3, 'succeeded' FROM engine.task_run"
-    )
-    sql("ANALYZE engine.task_run, engine.step")
-    sql(
-        "UPDATE engine.task_run SET status = 'waiting' "
-        "WHERE id IN (SELECT id FROM engine.task_run ORDER BY id LIMIT 2000)"
-    )
-    sql(
-        "UPDATE engine.step s SET status = 'waiting', "
-        "wait_topic = CASE WHEN s.id % 4 = 0 THEN 'other-' || s.id ELSE 'herd' END "
-        "FROM engine.task_run r WHERE r.id = s.run_id AND r.status = 'waiting'"
-    )
+    _parked_crowd(2000)
+    sql("UPDATE engine.step SET wait_topic = 'other-' || id WHERE status = 'waiting' AND id % 4 = 0")
     herd = scalar("SELECT count(*) FROM engine.step WHERE wait_topic = 'herd'")
     plan = generic_plan(waits.WAKE_TOPIC, {"topic": "'herd'"}, {"topic": "text"})
     probe = r"Index Scan using task_run_pkey on task_run r \(actual [^)]*rows=1 loops=(\d+)\)"
@@ -310,3 +319,38 @@ def test_the_claim_moves_a_woken_run_to_running() -> None:
         claimed = claims.claim(conn, step_id=woken[0].id, token=uuid.uuid4(), owner="w", ttl=15.0)
     assert claimed is not None and claimed.run_id == woken[0].run_id
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (woken[0].run_id,)) == "running"
+
+
+def test_a_claim_among_many_waiting_runs_reaches_its_run_by_primary_key() -> None:
+    """A woken run stays `waiting` until its claim, so a mass wake's claims run beside a crowd of
+    waiting runs. Each claim (one step, or a batch of them) still reaches its run by primary key:
+    with `status IN ('pending', 'waiting')` as the only guard, the planner could scan every live
+    run per claim (`task_run_live_idx`) when the statistics say few runs wait."""
+    from proj.engine.store import claims
+
+    _parked_crowd(2000)
+    sql(
+        "UPDATE engine.step SET status = 'pending' WHERE id IN (SELECT id FROM engine.step "
+        "WHERE status = 'waiting' ORDER BY id LIMIT 8)"
+    )
+    ids = [r[0] for r in sql("SELECT id FROM engine.step WHERE status = 'pending' ORDER BY id")]
+    one = {"id": str(ids[0]), "tok": "gen_random_uuid()", "owner": "'w'", "ttl": "3.0"}
+    types = {"id": "bigint", "tok": "uuid", "owner": "text", "ttl": "float8"}
+    batch = {
+        "ids": "ARRAY[" + ",".join(map(str, ids)) + "]::bigint[]",
+        "toks": "ARRAY[" + ",".join(["gen_random_uuid()"] * len(ids)) + "]",
+        "owner": "'w'",
+        "ttl": "3.0",
+    }
+    batch_types = {"ids": "bigint[]", "toks": "uuid[]", "owner": "text", "ttl": "float8"}
+    for statement, values, kinds in (
+        (claims.CLAIM, one, types),
+        (claims.CLAIM_START, one, types),
+        (claims.CLAIM_BATCH, batch, batch_types),
+    ):
+        plan = generic_plan(statement, values, kinds)
+        started = plan[plan.index("CTE started") : plan.index("CTE attempt")]
+        claimed = plan[plan.index("CTE claimed") : plan.index("CTE started")]
+        assert "task_run_live_idx" not in claimed and "Seq Scan" not in claimed, plan
+        assert "task_run_pkey" in started, plan  # an index scan, or a bitmap of one for a batch
+        assert "task_run_live_idx" not in started and "Seq Scan" not in started, plan

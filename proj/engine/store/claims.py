@@ -8,6 +8,11 @@ state keeps the planner on the primary key: a plain `status = 'pending'` lets it
 partial `step_due_idx` and filter it by id, which statistics taken before a backlog built up
 make look cheap, and which is O(backlog) per claim
 (`tests/integration/test_limits.py::test_a_claim_reads_its_step_by_primary_key_under_a_backlog`).
+The run's status is wrapped the same way, and the run row to start is named by a subquery (an
+index condition on the primary key): with a plain `status IN (…)` the planner walked
+`task_run_live_idx`, every live run, per claim whenever statistics said few runs waited — the
+state of a mass wake, whose woken runs stay `waiting` until their claims
+(`tests/integration/test_wake_batches.py::test_a_claim_among_many_waiting_runs_reaches_its_run_by_primary_key`).
 
 | statement | from | to |
 |---|---|---|
@@ -49,17 +54,16 @@ CLAIM = text(
           FROM engine.task_run r
          WHERE s.id = :id AND r.id = s.run_id
            AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
-           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+           AND (r.status IN ('pending', 'running', 'waiting')) IS TRUE AND r.cancel_requested_at IS NULL
            AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
                r.parent_run_id, r.deadline_at, now() AS claimed_at
     ), started AS (
         UPDATE engine.task_run t
-           SET status = 'running', current_step = c.name, updated_at = now(),
+           SET status = 'running', current_step = (SELECT name FROM claimed), updated_at = now(),
                started_at = coalesce(t.started_at, now())
-          FROM claimed c
-         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+         WHERE t.id = (SELECT run_id FROM claimed) AND (t.status IN ('pending', 'waiting')) IS TRUE
     ), attempt AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
         SELECT id, attempts, :tok, :owner FROM claimed
@@ -107,17 +111,16 @@ CLAIM_START = text(
           FROM engine.task_run r
          WHERE s.id = coalesce((SELECT id FROM better), :id) AND r.id = s.run_id
            AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
-           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+           AND (r.status IN ('pending', 'running', 'waiting')) IS TRUE AND r.cancel_requested_at IS NULL
            AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
                r.parent_run_id, r.deadline_at, now() AS claimed_at
     ), started AS (
         UPDATE engine.task_run t
-           SET status = 'running', current_step = c.name, updated_at = now(),
+           SET status = 'running', current_step = (SELECT name FROM claimed), updated_at = now(),
                started_at = coalesce(t.started_at, now())
-          FROM claimed c
-         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+         WHERE t.id = (SELECT run_id FROM claimed) AND (t.status IN ('pending', 'waiting')) IS TRUE
     ), attempt AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
         SELECT id, attempts, :tok, :owner FROM claimed
@@ -160,7 +163,7 @@ CLAIM_BATCH = text(
           FROM want w, engine.task_run r
          WHERE s.id = w.id AND r.id = s.run_id
            AND (s.status = 'pending' AND s.next_attempt_at <= now()) IS TRUE
-           AND r.status IN ('pending', 'running', 'waiting') AND r.cancel_requested_at IS NULL
+           AND (r.status IN ('pending', 'running', 'waiting')) IS TRUE AND r.cancel_requested_at IS NULL
            AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
@@ -170,7 +173,8 @@ CLAIM_BATCH = text(
            SET status = 'running', current_step = c.name, updated_at = now(),
                started_at = coalesce(t.started_at, now())
           FROM claimed c
-         WHERE t.id = c.run_id AND t.status IN ('pending', 'waiting')
+         WHERE t.id = ANY (ARRAY(SELECT run_id FROM claimed)) AND t.id = c.run_id
+           AND (t.status IN ('pending', 'waiting')) IS TRUE
     ), attempt AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
         SELECT id, attempts, lease_token, :owner FROM claimed
