@@ -89,8 +89,8 @@ def get(run_id: uuid.UUID) -> TaskRunView | None:
         started_at=row.started_at,
         finished_at=row.finished_at,
         cancel_requested=row.cancel_requested_at is not None,
-        wait_topic=row.wait_topic if row.status == "waiting" else None,
-        wait_until=row.wait_until if row.status == "waiting" else None,
+        wait_topic=row.wait_topic if _parked(row) else None,
+        wait_until=row.wait_until if _parked(row) else None,
         pending_reason=_pending_reason(row),
         parent_run_id=row.parent_run_id,
         deadline_at=row.deadline_at,
@@ -104,10 +104,17 @@ def find(kind: str, idempotency_key: str) -> TaskRunView | None:
     return get(found[0].id) if found else None
 
 
+def _parked(row: store_runs.RunViewRow) -> bool:
+    """Waiting on a signal or timer: a woken run shows `waiting` until its step is claimed, but
+    its step is pending then (`due_at`), not parked."""
+    return row.status == "waiting" and row.due_at is None
+
+
 def _pending_reason(row: store_runs.RunViewRow) -> str | None:
     """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
-    its version picked it up."""
-    if row.status not in ("pending", "running") or row.due_at is None:
+    its version picked it up (a woken run's step included: the run shows `waiting` until then,
+    `tests/integration/test_wake_batches.py::test_the_claim_moves_a_woken_run_to_running`)."""
+    if row.status not in ("pending", "running", "waiting") or row.due_at is None:
         return None
     if row.due_at > row.db_now:
         return f"scheduled for {row.due_at.isoformat()}"

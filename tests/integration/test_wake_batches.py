@@ -296,7 +296,8 @@ def test_a_mass_wake_finds_its_runs_by_primary_key() -> None:
 
 def test_the_claim_moves_a_woken_run_to_running() -> None:
     """The wake writes steps only: a woken run still shows `waiting` until a worker claims its
-    step, and that claim shows it `running` (the claim's guard admits `waiting` runs)."""
+    step, and that claim shows it `running` (the claim's guard admits `waiting` runs). Meanwhile
+    its view names no parked topic, and a step nobody picks up gets the usual pending reason."""
     import uuid
 
     from proj import db
@@ -315,6 +316,15 @@ def test_the_claim_moves_a_woken_run_to_running() -> None:
     assert [w.name for w in woken] == ["wait"]
     assert scalar("SELECT status FROM engine.step WHERE id = %s", (woken[0].id,)) == "pending"
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (woken[0].run_id,)) == "waiting"
+    view = runs.get(woken[0].run_id)
+    assert view is not None and view.status == "waiting" and view.wait_topic is None  # woken, not parked
+    sql(
+        "UPDATE engine.step SET next_attempt_at = now() - interval '1 hour', "
+        "created_at = now() - interval '2 hours' WHERE id = %s",
+        (woken[0].id,),
+    )  # woken an hour ago, parked since before, and no worker took it
+    view = runs.get(woken[0].run_id)
+    assert view is not None and (view.pending_reason or "").startswith("not picked up for"), view
     with db.autocommit() as conn:
         claimed = claims.claim(conn, step_id=woken[0].id, token=uuid.uuid4(), owner="w", ttl=15.0)
     assert claimed is not None and claimed.run_id == woken[0].run_id
