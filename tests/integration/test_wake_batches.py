@@ -57,8 +57,6 @@ def park(procs, n: int, key: str) -> None:
 
 
 def test_one_signal_wakes_forty_runs_with_five_messages_each_run_once(procs, wake_batch) -> None:
-    from tests.support.services import sql
-
     key = new_key()
     park(procs, 40, key)
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
@@ -82,8 +80,6 @@ def test_one_signal_wakes_forty_runs_with_five_messages_each_run_once(procs, wak
 
 
 def test_a_batch_past_its_budget_hands_the_rest_back(procs, wake_batch) -> None:
-    from tests.support.services import sql
-
     key = new_key()
     park(procs, 16, key)
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
@@ -107,8 +103,6 @@ def untraced(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def parked_wait_steps() -> list[int]:
-    from tests.support.services import sql
-
     return [r[0] for r in sql("SELECT id FROM engine.step WHERE name = 'approval' ORDER BY id")]
 
 
@@ -117,7 +111,6 @@ def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
     naming the same steps, in another order, claims none of them a second time."""
     from proj.engine import dispatch
     from proj.engine.dispatch import Dispatch
-    from tests.support.services import sql
 
     key = new_key()
     park(procs, 16, key)
@@ -142,6 +135,19 @@ def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
     assert per_step == [2]  # parked once, claimed once after the wake
 
 
+def woken_chunk(procs) -> list[int]:
+    """Eight untraced `gated` runs parked, approved and woken by one signal: their wait steps'
+    ids, pending, for a test to deliver as one batched message (an earlier test may have set a
+    tracer, and a traced attempt rightly takes the ladder)."""
+    key = new_key()
+    park(procs, 8, key)
+    sql("UPDATE engine.task_run SET trace = NULL")
+    ids = parked_wait_steps()
+    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
+    assert runs.signal(f"approval:{key}") == 8
+    return ids
+
+
 def test_claimed_steps_waiting_their_turn_keep_their_lease(
     procs, wake_batch, untraced, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,14 +157,8 @@ def test_claimed_steps_waiting_their_turn_keep_their_lease(
     import time
 
     from proj.engine import protocol
-    from tests.support.services import sql
 
-    key = new_key()
-    park(procs, 8, key)
-    sql("UPDATE engine.task_run SET trace = NULL")  # untraced runs (an earlier test set a tracer)
-    ids = parked_wait_steps()
-    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
-    assert runs.signal(f"approval:{key}") == 8
+    ids = woken_chunk(procs)
     seen: list[int] = []
     check = protocol._check
 
@@ -175,7 +175,9 @@ def test_claimed_steps_waiting_their_turn_keep_their_lease(
         return check(c, kind, spec)
 
     monkeypatch.setattr(protocol, "_check", slow_first)
-    protocol.execute(ids[0], more=ids[1:], task=("gated.v1.approval", "gated.v1"), limited=False)
+    protocol.execute(  # as the worker calls it: `approval` is `gated`'s start step
+        ids[0], more=ids[1:], starts_run=True, task=("gated.v1.approval", "gated.v1"), limited=False
+    )
     assert seen == [8]  # all eight claimed, every lease still live after more than a lease
     assert scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 8
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 8
@@ -207,14 +209,8 @@ def test_a_chunks_held_checks_commit_in_one_statement(
     run's next step claimed; then each `after` runs inline. One run canceled between the claim
     and the commit is left out of it (its guard) and ends canceled through the ladder."""
     from proj.engine import protocol
-    from tests.support.services import sql
 
-    key = new_key()
-    park(procs, 8, key)
-    sql("UPDATE engine.task_run SET trace = NULL")  # untraced runs (an earlier test set a tracer)
-    ids = parked_wait_steps()
-    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
-    assert runs.signal(f"approval:{key}") == 8
+    ids = woken_chunk(procs)
     canceled = scalar("SELECT run_id FROM engine.step WHERE id = %s", (ids[3],))
     real_check = protocol._check
 
