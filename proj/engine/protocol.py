@@ -176,7 +176,7 @@ def execute(
     limited = any_limits() if limited is None else limited
     if not more:
         return _deliver(step_id, starts_run, limited)
-    return _deliver_batch([step_id, *more], starts_run, task, limited)
+    return _deliver_batch([step_id, *more], task, limited)
 
 
 # How many steps of a batched message one claim statement takes at a time: the inline budget is
@@ -184,7 +184,7 @@ def execute(
 CLAIM_CHUNK = 8
 
 
-def _deliver_batch(ids: list[int], starts_run: bool, task: tuple[str, str] | None, limited: bool) -> str:
+def _deliver_batch(ids: list[int], task: tuple[str, str] | None, limited: bool) -> str:
     """The steps of one batched message (`dispatch.batched`: a mass wake), while the budget lasts.
 
     Why: one after another, each with its own claim statement, a mass wake spent a fifth of its
@@ -193,11 +193,12 @@ def _deliver_batch(ids: list[int], starts_run: bool, task: tuple[str, str] | Non
     attempt record, and each then runs and commits exactly as if it had a message of its own;
     the claimed steps that wait their turn are heart-beaten meanwhile
     (`tests/integration/test_wake_batches.py`). A kind with limits is claimed one by one through
-    admission, as before. A first step that waits (a start step) is batch-claimed too: a
+    admission, as before. No step of a batched message starts a run, whatever its task says: a
     batched message only ever names woken steps, whose runs started already, so there is no
-    start order to keep. Claimed one by one with `claim_start`, such a herd (`bench.signal_latency`'s
-    `gate`) never reached the batched claim or the chunk commit. Past `INLINE_BUDGET_S` the
-    unclaimed rest goes back to the broker as one message.
+    start order to keep, and a first step that waits (a start step) is batch-claimed too.
+    Claimed one by one with `claim_start`, such a herd (`bench.signal_latency`'s `gate`) never
+    reached the batched claim or the chunk commit. Past `INLINE_BUDGET_S` the unclaimed rest
+    goes back to the broker as one message.
     """
     outcome: str = Outcome.NOOP
     began = time.monotonic()
@@ -210,7 +211,7 @@ def _deliver_batch(ids: list[int], starts_run: bool, task: tuple[str, str] | Non
             dispatch.publish_after_commit([Dispatch(rest[0], name, queue, 0, tuple(rest[1:]))])
             break
         if not batch_claims:
-            outcome = _deliver(rest.pop(0), starts_run, limited)
+            outcome = _deliver(rest.pop(0), False, limited)  # a woken step starts no run
             continue
         chunk, rest = rest[:CLAIM_CHUNK], rest[CLAIM_CHUNK:]
         claims = _claim_batch(chunk)
