@@ -341,6 +341,13 @@ class Bench:
         return round_result(n, elapsed, t_sub, self.cpu.since(cpu0))
 
 
+def wal_syncs(pg: Any) -> int:
+    """WAL flushes (fsyncs) so far, by every process of the cluster (`pg_stat_wal`, Postgres 14+):
+    a durable commit costs one, a claim none (`proj.engine.store.claims`, "One durable commit
+    per step")."""
+    return int(pg.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()[0])
+
+
 def round_result(n: int, elapsed: float, t_sub: float, cpu: dict[str, float]) -> dict[str, Any]:
     """The figures of one round of `n` runs x `STEPS` steps (also bench/dbos_compare.py's DBOS side)."""
     return {
@@ -450,6 +457,10 @@ def print_table(report: dict[str, Any]) -> None:
         f"CPU cost ratio (worker + postgres + redis CPU per step, plain/ours) = {report['cpu_ratio']:.2f}"
         " -- what the rate ratio would be if the machine were only CPU-bound by this benchmark"
     )
+    print(
+        f"WAL flushes per step, ours = {report['wal_flushes_per_ours_step']:.2f} -- pg_stat_wal.wal_sync over"
+        " the measured rounds, the whole cluster's (plain writes nothing to Postgres)"
+    )
     print()
     print(f"ratio ours/plain = {report['ratio']:.2f} (target >= 0.70)")
 
@@ -510,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.run("plain", args.warmup)
         bench.run("ours", args.warmup)
         bench.args.timeout = timeout
+        wal0 = wal_syncs(bench.pg)
         for i in range(args.rounds):
             for side in ("plain", "ours"):
                 prof = None
@@ -530,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         worker.stop()
         if broker.get(LOCK_KEY) == str(os.getpid()).encode():
             broker.delete(LOCK_KEY)
+    time.sleep(1.0)  # the worker's backends report their WAL statistics as they exit
+    wal_per_step = (wal_syncs(bench.pg) - wal0) / (args.rounds * args.runs * STEPS)
 
     median = summarise(rounds)
     from proj.celery import app
@@ -552,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "median": median,
         "ratio": median["ours"]["steps_per_s"] / median["plain"]["steps_per_s"],
         "cpu_ratio": service_cpu(median["plain"]) / service_cpu(median["ours"]),
+        "wal_flushes_per_ours_step": wal_per_step,
         "noisy": any(median[side]["cpu_ms_per_step"]["other"] > NOISY_OTHER_MS for side in median),
     }
     print_report(report, args.json, print_table)

@@ -14,8 +14,6 @@ index condition on the primary key): with a plain `status IN (…)` the planner 
 state of a mass wake, whose woken runs stay `waiting` until their claims
 (`tests/integration/test_wake_batches.py::test_a_claim_among_many_waiting_runs_reaches_its_run_by_primary_key`).
 
-| statement | from | to |
-|---|---|---|
 Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
 the table names others.
 
@@ -25,6 +23,27 @@ the table names others.
 | `claim_start` | the same, for a start step | the best pending run's start step instead, if better |
 | `release_start_siblings` | run's first-stage items > 0 held back | published now |
 | `claim_batch` | the steps of a batched message, each as `claim` | each running under its own token |
+
+**One durable commit per step.** Every claiming statement sets `synchronous_commit=off` for its
+own transaction (`relaxed`): the claim is visible at once but does not wait for its WAL flush.
+A step message then costs one flush, its commit's, instead of two (DESIGN §8;
+`bench.throughput` prints WAL flushes per step). A crash can lose only what was not flushed:
+- **What a crash can lose.** A crash of Postgres (of its processes or of its host) within
+  about `wal_writer_delay` (200 ms) after the claim can lose it. That leaves what a crash just
+  before the claim would have left: the step `pending`, with no lease and no attempt. The
+  sweeper then re-sends it, as it re-sends a message the broker lost (`republish_after_s`).
+- **The body under a lost claim is fenced.** Its fenced writes and its commit need the step
+  `running` under its token, so they are refused.
+- **Nothing durable can depend on a lost claim.** WAL is flushed in order, so any synchronous
+  commit after the claim (a fenced business write, a ledger record, a heartbeat, the step's
+  commit) makes the claim durable first.
+- **Commits keep their flush.** The setting ends with the claim's transaction: the step's commit
+  (invariant 1), on the same pooled connection next, waits for its flush.
+- **Limited kinds.** Their whole admission transaction, whose last write is the claim, commits
+  the same way. If lost, its slot is lost with the claim.
+
+Proof: `tests/integration/test_claim_durability.py` (the setting's scope, and a lost claim
+broken on purpose) and `tests/unit/test_durable_commits.py` (no other statement relaxes it).
 
 A claim runs on the autocommit path (`db.autocommit()`: one round trip, no BEGIN/COMMIT) when it
 is the transaction's only statement, or inside the admission transaction of a limited kind; the
@@ -67,8 +86,10 @@ CLAIM = text(
     ), attempt AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
         SELECT id, attempts, :tok, :owner FROM claimed
+    ), relaxed AS (
+        SELECT set_config('synchronous_commit', 'off', true)
     )
-    SELECT * FROM claimed
+    SELECT claimed.* FROM claimed, relaxed
     """
 )
 
@@ -124,8 +145,10 @@ CLAIM_START = text(
     ), attempt AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
         SELECT id, attempts, :tok, :owner FROM claimed
+    ), relaxed AS (
+        SELECT set_config('synchronous_commit', 'off', true)
     )
-    SELECT * FROM claimed
+    SELECT claimed.* FROM claimed, relaxed
     """
 )
 
@@ -178,8 +201,10 @@ CLAIM_BATCH = text(
     ), attempt AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
         SELECT id, attempts, lease_token, :owner FROM claimed
+    ), relaxed AS (
+        SELECT set_config('synchronous_commit', 'off', true)
     )
-    SELECT * FROM claimed ORDER BY id
+    SELECT claimed.* FROM claimed, relaxed ORDER BY claimed.id
     """
 )
 
