@@ -21,7 +21,7 @@ holding the step is killed with SIGKILL on its whole process group. Measured, ag
 host clock (the kill time is taken here right before `killpg`; the others are Postgres
 `clock_timestamp()`/`now()` on the same machine):
 
-- kill → the step re-claimed on the other worker (`step_attempt.started_at` of attempt 2),
+- kill → the step re-claimed on the other worker (`engine.attempt`: `started_at` of attempt 2),
 - kill → its body running there (the attempt-2 `benchkit.mark` row),
 - how much of that was the lease still to run (`lease_until` left by the dead worker − kill).
 
@@ -142,7 +142,7 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random, fault: str =
             "SELECT extract(epoch FROM m.at), m.pid, extract(epoch FROM a.started_at), "
             "extract(epoch FROM s.published_at) "
             "FROM benchkit.mark m JOIN engine.step s ON s.run_id = m.run_id AND s.name = m.step "
-            "JOIN engine.step_attempt a ON a.step_id = s.id AND a.attempt = 2 "
+            "JOIN engine.attempt a ON a.step_id = s.id AND a.attempt = 2 "
             "WHERE m.run_id = %s AND m.step = 'hold' AND m.attempt = 2",
             (run_id,),
         ).fetchone()

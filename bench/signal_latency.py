@@ -11,7 +11,7 @@ the check reads a business row (`benchkit.gate`), like `gated` in tests/kinds.py
 A sample: open the gate row (committed), take the time, call `runs.signal(topic)` (store the
 signal, wake the parked step, publish after commit), then read
 
-- signal → the wait step re-claimed by the worker (`step_attempt.started_at` of its re-check),
+- signal → the wait step re-claimed by the worker (`engine.attempt`: `started_at` of its re-check),
 - signal → the next step's body running (its `benchkit.mark` row),
 
 against the same host clock (this process' `time.time()` vs Postgres `clock_timestamp()`/`now()`
@@ -180,7 +180,7 @@ class Signals:
         got = self.pg.execute(
             """
             SELECT extract(epoch FROM (SELECT max(a.started_at) FROM engine.step s
-                     JOIN engine.step_attempt a ON a.step_id = s.id
+                     JOIN engine.attempt a ON a.step_id = s.id
                     WHERE s.run_id = r.id AND s.name = 'open')),
                    extract(epoch FROM m.at)
               FROM unnest(CAST(%s AS uuid[])) AS r(id)

@@ -110,8 +110,9 @@ def commit_or_refuse(commit: Callable[P, AttemptEnd], *args: P.args, **kwargs: P
 
 
 def close_attempt(s: Session, c: Claim, outcome: Outcome, err: dict[str, Any] | None = None) -> None:
-    """The attempt record gets its outcome (`step_attempt` is an audit log, never a timeline)."""
-    store.close_attempt(s, step_id=c.step_id, token=c.token, outcome=outcome, err=err)
+    """The attempt, which did not succeed, is logged with its outcome (`step_attempt` is an audit
+    log, never a timeline; a success is its step row)."""
+    store.close_attempt(s, step_id=c.step_id, token=c.token, attempt=c.attempt, outcome=outcome, err=err)
 
 
 def commit_deadline(c: Claim, exc: BaseException) -> AttemptEnd:

@@ -175,6 +175,8 @@ class Step(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # the attempt that runs or succeeded (0011): when it was claimed; `engine.attempt` reads it
+    claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # concurrency limits (0003): why a claim found no free slot, which limit, and when
     blocked_reason: Mapped[str | None] = mapped_column(Text)
     blocked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -182,7 +184,11 @@ class Step(Base):
 
 
 class StepAttempt(Base):
-    """Audit log of claims. Holds orphans (a killed worker never closes its row): never a timeline."""
+    """Audit log of the attempts that did not succeed: each ended other than in success (retry,
+    failed, canceled, parked), or was taken from its holder (an orphan, `outcome` NULL: a killed
+    worker, a lost lease, a canceled run). The attempt that runs or succeeded lives on its step
+    row (`claimed_at`, `lease_token`, `lease_owner`), so the happy path writes no row here
+    (migration 0011). The view `engine.attempt` is the whole history. Never a timeline."""
 
     __tablename__ = "step_attempt"
     __table_args__ = (Index("step_attempt_step_idx", "step_id"),)

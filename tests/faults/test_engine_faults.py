@@ -151,8 +151,8 @@ def test_sigstopped_worker_cannot_commit_after_losing_its_lease(procs) -> None:
     ]
     assert "lease lost" in procs.log("sleepy")
     outcomes = sql(
-        "SELECT a.worker, a.outcome FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id"
-        " WHERE s.run_id = %s AND s.name = 's2' ORDER BY a.id",
+        "SELECT a.worker, a.outcome FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id"
+        " WHERE s.run_id = %s AND s.name = 's2' ORDER BY a.attempt, a.started_at",
         (ref.task_run_id,),
     )
     assert [o for _, o in outcomes] == [None, "succeeded"]
@@ -202,7 +202,7 @@ def _killed_and_restarted(procs, rds: PrivateRedis) -> None:
             (run_id, step),
         )
         attempts = scalar(
-            "SELECT count(*) FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+            "SELECT count(*) FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
             "WHERE s.run_id = %s AND s.name = %s",
             (run_id, step),
         )

@@ -64,7 +64,7 @@ def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
         time.sleep(1.5)
         assert (
             scalar(
-                "SELECT count(*) FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+                "SELECT count(*) FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
                 "WHERE s.run_id = %s",
                 (ref.task_run_id,),
             )
@@ -94,7 +94,7 @@ def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
     assert receiver.count(inp["op"]) == 1
     assert len(lines_for(inp["path"], f"file:{inp['op']}")) == 1
     outcomes = sql(
-        "SELECT a.attempt, a.outcome FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+        "SELECT a.attempt, a.outcome FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
         "WHERE s.run_id = %s ORDER BY a.attempt",
         (ref.task_run_id,),
     )

@@ -43,7 +43,7 @@ def holding(inp: dict[str, Any]) -> dict[str, Any]:
 
 def attempt_started(run_id, attempt: int):
     return scalar(
-        "SELECT a.started_at FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+        "SELECT a.started_at FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
         "WHERE s.run_id = %s AND a.attempt = %s",
         (run_id, attempt),
     )
@@ -97,7 +97,7 @@ def test_kill_9_of_one_prefork_child_resumes_in_about_a_second(procs, tmp_path: 
     wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 30, what="the run to finish")
     assert_effect_once(inp, receiver)
     worker = sql(
-        "SELECT a.worker FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+        "SELECT a.worker FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
         "WHERE s.run_id = %s ORDER BY a.attempt",
         (ref.task_run_id,),
     )

@@ -647,7 +647,7 @@ def test_purge_drops_finished_steps_keeps_runs_dead_letters_and_unfinished_work(
     assert scalar("SELECT count(*) FROM engine.task_run") == runs_before + 1
     assert (
         scalar(
-            "SELECT count(*) FROM engine.step_attempt a "
+            "SELECT count(*) FROM engine.attempt a "
             "LEFT JOIN engine.step s ON s.id = a.step_id WHERE s.id IS NULL"
         )
         == 0

@@ -126,10 +126,10 @@ def test_a_claim_lost_to_a_crash_is_fenced_and_the_step_runs_again(published, mo
         assert c is not None
         sql(
             "UPDATE engine.step SET status = 'pending', lease_token = NULL, lease_owner = NULL, "
-            "lease_until = NULL, attempts = attempts - 1, started_at = NULL WHERE id = %s",
+            "lease_until = NULL, attempts = attempts - 1, started_at = NULL, claimed_at = NULL "
+            "WHERE id = %s",
             (step_id,),
         )
-        sql("DELETE FROM engine.step_attempt WHERE step_id = %s", (step_id,))
         return c, kicks
 
     monkeypatch.setattr(protocol, "_claim", claim_then_lose_it)

@@ -34,7 +34,7 @@ def _first_step(run_id: Any) -> int:
 def _steps(run_id: Any) -> list[tuple[Any, ...]]:
     return sql(
         "SELECT s.name, s.status, s.attempts, a.worker, a.lease_token FROM engine.step s "
-        "LEFT JOIN engine.step_attempt a ON a.step_id = s.id WHERE s.run_id = %s ORDER BY s.stage",
+        "LEFT JOIN engine.attempt a ON a.step_id = s.id WHERE s.run_id = %s ORDER BY s.stage",
         (run_id,),
     )
 
@@ -143,7 +143,7 @@ def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> Non
     assert run == ("succeeded", last) and last["step"] == "s5" and last["n"] == 4
     assert sql(
         "SELECT count(*), count(*) FILTER (WHERE outcome = 'succeeded' AND ended_at IS NOT NULL) "
-        "FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id WHERE s.run_id = %s",
+        "FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id WHERE s.run_id = %s",
         (ref.task_run_id,),
     ) == [(5, 5)]
 
@@ -222,7 +222,7 @@ def test_a_step_whose_lease_moved_on_commits_nothing(published, monkeypatch) -> 
     assert [(r[0], r[1]) for r in _steps(ref.task_run_id)] == [("s1", "succeeded"), ("s2", "running")]
     assert (
         scalar(
-            "SELECT outcome FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id "
+            "SELECT outcome FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
             "WHERE s.run_id = %s AND s.name = 's2'",
             (ref.task_run_id,),
         )

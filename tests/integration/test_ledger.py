@@ -362,7 +362,7 @@ def test_kill_9_between_effect_and_commit_reconciles_without_a_second_effect(
     step_id, attempts, status = _step(ref.task_run_id)
     assert status == "succeeded" and attempts == 2
     outcomes = sql(
-        "SELECT attempt, outcome FROM engine.step_attempt WHERE step_id = %s ORDER BY attempt", (step_id,)
+        "SELECT attempt, outcome FROM engine.attempt WHERE step_id = %s ORDER BY attempt", (step_id,)
     )
     assert outcomes == [(1, None), (2, "succeeded")], "attempt 1 died without closing its row"
     assert_killed(procs, inp["journal"])

@@ -274,7 +274,7 @@ def test_duplicate_start_messages_start_each_run_once(engine) -> None:
     )
     assert sorted(n for _, n in per_run) == [1] * len(refs), per_run
     assert scalar(
-        "SELECT count(*) FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id WHERE s.stage = 0"
+        "SELECT count(*) FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id WHERE s.stage = 0"
     ) == len(refs)
     assert {r[1] for r in _start_order("ranked")[:2]} == {6, 4}, "two children: the two best start first"
 

@@ -67,16 +67,12 @@ def crashed_probe_run() -> uuid.UUID:
         "started_at) VALUES (%s, 'probe', 1, %s, '{}', 'h', 'running', now())",
         (run_id, new_key()),
     )
-    step_id = scalar(
-        "INSERT INTO engine.step (run_id, stage, name, max_attempts, status, attempts, lease_token, "
-        "lease_owner, lease_until, started_at, published_at) VALUES (%s, 0, 's1', 5, 'running', 1, %s, "
-        "'gone:1', now() - interval '1 second', now(), now()) RETURNING id",
-        (run_id, token),
-    )
+    # The running attempt lives on its step row (`claimed_at`; migration 0011).
     sql(
-        "INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker) "
-        "VALUES (%s, 1, %s, 'gone:1')",
-        (step_id, token),
+        "INSERT INTO engine.step (run_id, stage, name, max_attempts, status, attempts, lease_token, "
+        "lease_owner, lease_until, started_at, claimed_at, published_at) VALUES (%s, 0, 's1', 5, "
+        "'running', 1, %s, 'gone:1', now() - interval '1 second', now(), now(), now())",
+        (run_id, token),
     )
     return run_id
 

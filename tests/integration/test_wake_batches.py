@@ -73,7 +73,7 @@ def test_one_signal_wakes_forty_runs_with_five_messages_each_run_once(procs, wak
     # Every wait step was claimed once to park and once after the wake: no more (parking does
     # not consume an attempt, invariant 7, so the attempt records tell).
     per_step = scalar(
-        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.step_attempt a "
+        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.attempt a "
         "JOIN engine.step s ON s.id = a.step_id WHERE s.name = 'approval' GROUP BY s.id) c"
     )
     assert per_step == [2]
@@ -129,7 +129,7 @@ def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
     wait_for(lambda: queued("gated.v1") == 0, 30, what="the duplicates to be consumed")
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 16
     per_step = scalar(
-        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.step_attempt a "
+        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.attempt a "
         "JOIN engine.step s ON s.id = a.step_id WHERE s.name = 'approval' GROUP BY s.id) c"
     )
     assert per_step == [2]  # parked once, claimed once after the wake
@@ -239,7 +239,7 @@ def test_a_chunks_held_checks_commit_in_one_statement(
     assert scalar("SELECT count(DISTINCT run_id) FROM testkit.execution WHERE step = 'after'") == 7
     assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 7
     per_step = scalar(
-        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.step_attempt a "
+        "SELECT array_agg(DISTINCT n) FROM (SELECT count(*) AS n FROM engine.attempt a "
         "JOIN engine.step s ON s.id = a.step_id WHERE s.name = 'approval' GROUP BY s.id) c"
     )
     assert per_step == [2]  # parked once, claimed once after the wake
@@ -355,7 +355,7 @@ def test_a_claim_among_many_waiting_runs_reaches_its_run_by_primary_key() -> Non
         (claims.CLAIM_BATCH, batch, batch_types),
     ):
         plan = generic_plan(statement, values, kinds)
-        started = plan[plan.index("CTE started") : plan.index("CTE attempt")]
+        started = plan[plan.index("CTE started") : plan.index("CTE relaxed")]
         claimed = plan[plan.index("CTE claimed") : plan.index("CTE started")]
         assert "task_run_live_idx" not in claimed and "Seq Scan" not in claimed, plan
         assert "task_run_pkey" in started, plan  # an index scan, or a bitmap of one for a batch

@@ -589,7 +589,7 @@ def stuck_runs() -> list[tuple[Any, ...]]:
 
 
 def attempt_stats() -> str:
-    outcomes = dict(sql("SELECT coalesce(outcome, 'open'), count(*) FROM engine.step_attempt GROUP BY 1"))
+    outcomes = dict(sql("SELECT coalesce(outcome, 'open'), count(*) FROM engine.attempt GROUP BY 1"))
     retried = scalar("SELECT count(*) FROM engine.step WHERE attempts > 1")
     ops = sql(
         "SELECT count(*) FILTER (WHERE attempts > 1), count(*) FILTER (WHERE resolution = 'reconciled') "

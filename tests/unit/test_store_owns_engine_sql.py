@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SQL = re.compile(
-    r"\b(FROM|JOIN|UPDATE|INTO)\s+engine\.(task_run|step|step_attempt|task_signal|counter)\b", re.IGNORECASE
+    r"\b(FROM|JOIN|UPDATE|INTO)\s+engine\.(task_run|step|step_attempt|attempt|task_signal|counter)\b",
+    re.IGNORECASE,
 )
 
 

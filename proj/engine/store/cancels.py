@@ -54,11 +54,23 @@ LIVE_LEASES = text(
     "SELECT count(*) FROM engine.step WHERE run_id = :id AND status = 'running' AND lease_until > now()"
 )
 
+# A running step's attempt is logged as an orphan (`outcome` NULL): its body is not stopped, and
+# its commit will be refused (`engine.attempt`, migration 0011).
 CANCEL_OPEN_STEPS = text(
     """
-    UPDATE engine.step SET status = 'canceled', lease_token = NULL, lease_until = NULL,
+    WITH open AS MATERIALIZED (
+        SELECT id, status, attempts, lease_token, lease_owner, claimed_at FROM engine.step
+         WHERE run_id = :id AND status IN ('pending', 'waiting', 'running')
+           FOR UPDATE
+    ), orphaned AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker, started_at)
+        SELECT id, attempts, lease_token, lease_owner, coalesce(claimed_at, now()) FROM open
+         WHERE status = 'running' AND lease_token IS NOT NULL
+    )
+    UPDATE engine.step s SET status = 'canceled', lease_token = NULL, lease_until = NULL,
            finished_at = now()
-     WHERE run_id = :id AND status IN ('pending', 'waiting', 'running')
+      FROM open
+     WHERE s.id = open.id
     """
 )
 

@@ -1,5 +1,6 @@
-"""Claiming a step: the lease is taken, the run marked started and the attempt record opened in
-one statement (lock order: the step row, then the run row).
+"""Claiming a step: the lease is taken, the attempt stamped on the step row (`claimed_at`: the
+attempt that runs lives there, `engine.attempt` shows it) and the run marked started, in one
+statement (lock order: the step row, then the run row).
 
 Guard of every claim: the step is `pending` and due, its run is live, nobody asked to cancel
 it and its deadline (if any) has not passed. No row back: a duplicate message, a finished
@@ -19,7 +20,7 @@ the table names others.
 
 | function | from | to |
 |---|---|---|
-| `claim` | step pending, due; run live | step running (token, lease); run running; attempt opened |
+| `claim` | step pending, due; run live | step running (token, lease, `claimed_at`); run running |
 | `claim_start` | the same, for a start step | the best pending run's start step instead, if better |
 | `release_start_siblings` | run's first-stage items > 0 held back | published now |
 | `claim_batch` | the steps of a batched message, each as `claim` | each running under its own token |
@@ -68,7 +69,7 @@ CLAIM = text(
         UPDATE engine.step s
            SET status = 'running', lease_token = :tok, lease_owner = :owner,
                lease_until = now() + make_interval(secs => :ttl),
-               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()), claimed_at = now(),
                blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
           FROM engine.task_run r
          WHERE s.id = :id AND r.id = s.run_id
@@ -83,9 +84,6 @@ CLAIM = text(
            SET status = 'running', current_step = (SELECT name FROM claimed), updated_at = now(),
                started_at = coalesce(t.started_at, now())
          WHERE t.id = (SELECT run_id FROM claimed) AND (t.status IN ('pending', 'waiting')) IS TRUE
-    ), attempt AS (
-        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
-        SELECT id, attempts, :tok, :owner FROM claimed
     ), relaxed AS (
         SELECT set_config('synchronous_commit', 'off', true)
     )
@@ -127,7 +125,7 @@ CLAIM_START = text(
         UPDATE engine.step s
            SET status = 'running', lease_token = :tok, lease_owner = :owner,
                lease_until = now() + make_interval(secs => :ttl),
-               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()), claimed_at = now(),
                blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
           FROM engine.task_run r
          WHERE s.id = coalesce((SELECT id FROM better), :id) AND r.id = s.run_id
@@ -142,9 +140,6 @@ CLAIM_START = text(
            SET status = 'running', current_step = (SELECT name FROM claimed), updated_at = now(),
                started_at = coalesce(t.started_at, now())
          WHERE t.id = (SELECT run_id FROM claimed) AND (t.status IN ('pending', 'waiting')) IS TRUE
-    ), attempt AS (
-        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
-        SELECT id, attempts, :tok, :owner FROM claimed
     ), relaxed AS (
         SELECT set_config('synchronous_commit', 'off', true)
     )
@@ -181,7 +176,7 @@ CLAIM_BATCH = text(
         UPDATE engine.step s
            SET status = 'running', lease_token = w.tok, lease_owner = :owner,
                lease_until = now() + make_interval(secs => :ttl),
-               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()),
+               attempts = s.attempts + 1, started_at = coalesce(s.started_at, now()), claimed_at = now(),
                blocked_reason = NULL, blocked_on = NULL, blocked_at = NULL
           FROM want w, engine.task_run r
          WHERE s.id = w.id AND r.id = s.run_id
@@ -198,9 +193,6 @@ CLAIM_BATCH = text(
           FROM claimed c
          WHERE t.id = ANY (ARRAY(SELECT run_id FROM claimed)) AND t.id = c.run_id
            AND (t.status IN ('pending', 'waiting')) IS TRUE
-    ), attempt AS (
-        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
-        SELECT id, attempts, lease_token, :owner FROM claimed
     ), relaxed AS (
         SELECT set_config('synchronous_commit', 'off', true)
     )

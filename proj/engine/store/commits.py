@@ -18,7 +18,12 @@ fenced one returns None or False when the commit was refused.
 | `record_retry_error` | | `last_error` of the retried attempt |
 | `cancel_step` | running → canceled (the body stopped on a cancel request) | |
 | `fail_run` | | live → failed (a dead letter) |
-| `close_attempt` | its attempt record gets its outcome | |
+| `close_attempt` | an attempt that did not succeed is logged with its outcome (`step_attempt`) | |
+
+A success writes no attempt row. The step keeps its `lease_token` and `lease_owner` (only
+`lease_until` is cleared), and with `claimed_at` they record the attempt that succeeded
+(`engine.attempt`, migration 0011). Every fence also requires `status = 'running'`, so a kept
+token grants nothing.
 
 The one-statement commits (`SUCCEED_AND_*`) are a linear chain's fast path in autocommit:
 they write only when the run is where a plain advance expects it (its stage, no cancel asked,
@@ -46,12 +51,9 @@ SUCCEED_AND_LOCK_RUN = text(
     """
     WITH done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
-    ), closed AS (
-        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
-          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
     )
     SELECT r.id, r.kind, r.version, r.input, r.status, r.current_stage, r.cancel_requested_at,
            r.priority, r.trace, r.created_at, coalesce(r.deadline_at <= now(), false) AS past_deadline
@@ -74,19 +76,16 @@ SUCCEED_AND_CLAIM_NEXT = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL
           FROM run
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
-    ), closed AS (
-        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
-          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
     ), ins AS (
         INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
                                  published_at, status, lease_token, lease_owner, lease_until,
-                                 attempts, started_at)
+                                 attempts, started_at, claimed_at)
         SELECT :run, :next_stage, :next_name, 0, :next_max, now(), now(), 'running', :next_tok,
-               :owner, now() + make_interval(secs => :ttl), 1, now()
+               :owner, now() + make_interval(secs => :ttl), 1, now(), now()
           FROM done
         ON CONFLICT (run_id, stage, item_index) DO NOTHING
         RETURNING id, now() AS claimed_at
@@ -94,9 +93,6 @@ SUCCEED_AND_CLAIM_NEXT = text(
         UPDATE engine.task_run SET current_stage = :next_stage, current_step = :next_label,
                updated_at = now()
          WHERE id = :run AND EXISTS (SELECT FROM done)
-    ), attempt AS (
-        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
-        SELECT id, 1, :next_tok, :owner FROM ins
     )
     SELECT done.id, ins.id AS next_id, ins.claimed_at FROM done LEFT JOIN ins ON true
     """
@@ -120,13 +116,10 @@ SUCCEED_AND_PUBLISH_NEXT = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL
           FROM run
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
-    ), closed AS (
-        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
-          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
     ), ins AS (
         INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
                                  published_at)
@@ -171,20 +164,16 @@ SUCCEED_AND_CLAIM_NEXT_BATCH = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(w.result AS jsonb),
-               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL
           FROM w, run
          WHERE s.id = w.id AND run.step_id = s.id AND s.lease_token = w.tok AND s.status = 'running'
      RETURNING s.id, s.run_id
-    ), closed AS (
-        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
-          FROM done JOIN w ON w.id = done.id
-         WHERE a.step_id = done.id AND a.lease_token = w.tok
     ), ins AS (
         INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
                                  published_at, status, lease_token, lease_owner, lease_until,
-                                 attempts, started_at)
+                                 attempts, started_at, claimed_at)
         SELECT done.run_id, w.stage + 1, w.next_name, 0, w.next_max, now(), now(), 'running',
-               w.next_tok, :owner, now() + make_interval(secs => :ttl), 1, now()
+               w.next_tok, :owner, now() + make_interval(secs => :ttl), 1, now(), now()
           FROM done JOIN w ON w.id = done.id
         ON CONFLICT (run_id, stage, item_index) DO NOTHING
         RETURNING id, run_id, lease_token, now() AS claimed_at
@@ -193,9 +182,6 @@ SUCCEED_AND_CLAIM_NEXT_BATCH = text(
                updated_at = now()
           FROM done JOIN w ON w.id = done.id
          WHERE t.id = done.run_id
-    ), attempt AS (
-        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
-        SELECT id, 1, lease_token, :owner FROM ins
     )
     SELECT done.id, ins.id AS next_id, ins.claimed_at FROM done LEFT JOIN ins ON ins.run_id = done.run_id
     """
@@ -214,13 +200,10 @@ SUCCEED_AND_FINISH = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_token = NULL, lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL
           FROM run
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
-    ), closed AS (
-        UPDATE engine.step_attempt a SET outcome = 'succeeded', ended_at = now(), error = NULL
-          FROM done WHERE a.step_id = done.id AND a.lease_token = :tok
     ), finished AS (
         UPDATE engine.task_run t
            SET status = 'succeeded', result = CAST(:result AS jsonb), current_stage = :end_stage,
@@ -260,10 +243,17 @@ CANCEL_STEP = text(
     """
 )
 
+# An attempt that ends other than in success gets its row in the log, from what its step row
+# says of it (its holder, when it was claimed), in the transaction that moved the step on. A
+# success writes none: the step row stands for it (`engine.attempt`, migration 0011).
 CLOSE_ATTEMPT = text(
     """
-    UPDATE engine.step_attempt SET outcome = :outcome, ended_at = now(), error = CAST(:error AS jsonb)
-     WHERE step_id = :id AND lease_token = :tok
+    INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker, outcome, error,
+                                     started_at, ended_at)
+    SELECT s.id, :attempt, :tok, s.lease_owner, :outcome, CAST(:error AS jsonb),
+           coalesce(s.claimed_at, now()), now()
+      FROM engine.step s
+     WHERE s.id = :id
     """
 )
 
@@ -407,10 +397,16 @@ def cancel_step(s: Session, *, step_id: int, token: uuid.UUID) -> bool:
 
 
 def close_attempt(
-    s: Session, *, step_id: int, token: uuid.UUID, outcome: str, err: Mapping[str, Any] | None
+    s: Session, *, step_id: int, token: uuid.UUID, attempt: int, outcome: str, err: Mapping[str, Any] | None
 ) -> None:
-    """The attempt record of `token` gets its outcome (and error)."""
-    params = {"outcome": outcome, "error": json.dumps(err) if err else None, "id": step_id, "tok": token}
+    """Log attempt `attempt` (under `token`) of the step as ended with `outcome` (and error)."""
+    params = {
+        "outcome": outcome,
+        "error": json.dumps(err) if err else None,
+        "id": step_id,
+        "tok": token,
+        "attempt": attempt,
+    }
     s.execute(CLOSE_ATTEMPT, params)
 
 

@@ -60,7 +60,10 @@ STOP_REASONS = text(
     """
 )
 
-PROGRESS = text("UPDATE engine.step SET progress = CAST(:p AS jsonb) WHERE id = :id AND lease_token = :tok")
+PROGRESS = text(
+    "UPDATE engine.step SET progress = CAST(:p AS jsonb)"
+    " WHERE id = :id AND lease_token = :tok AND status = 'running'"
+)
 
 RESULTS = text(
     "SELECT stage, name, result FROM engine.step WHERE run_id = :id AND status = 'succeeded' "

@@ -33,18 +33,28 @@ SWEEP_LOCK = 0x5EE9_0001
 LOCK_SWEEP = text("SELECT pg_advisory_xact_lock(:k)")
 TRY_LOCK_SWEEP = text("SELECT pg_try_advisory_xact_lock(:k)")
 
+# The expired attempts are logged as orphans (`outcome` NULL) from what their step rows said
+# before the reset: their holder never ended them (`engine.attempt`, migration 0011).
 EXPIRE_LEASES = text(
     """
-    UPDATE engine.step
-       SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'pending' END,
+    WITH gone AS MATERIALIZED (
+        SELECT id, attempts, lease_token, lease_owner, claimed_at FROM engine.step
+         WHERE status = 'running' AND lease_until < now() ORDER BY lease_until LIMIT :n
+           FOR UPDATE SKIP LOCKED
+    ), orphaned AS (
+        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker, started_at)
+        SELECT id, attempts, lease_token, lease_owner, coalesce(claimed_at, now()) FROM gone
+         WHERE lease_token IS NOT NULL
+    )
+    UPDATE engine.step s
+       SET status = CASE WHEN s.attempts >= s.max_attempts THEN 'failed' ELSE 'pending' END,
            error = jsonb_build_object('type', 'LeaseExpired', 'message',
-                   'worker ' || coalesce(lease_owner, '?') || ' stopped renewing its lease'),
+                   'worker ' || coalesce(s.lease_owner, '?') || ' stopped renewing its lease'),
            lease_token = NULL, lease_until = NULL, published_at = NULL,
            next_attempt_at = now()
-     WHERE id IN (SELECT id FROM engine.step WHERE status = 'running'
-                   AND lease_until < now() ORDER BY lease_until LIMIT :n
-                   FOR UPDATE SKIP LOCKED)
-    RETURNING id, run_id, status, name, attempts, error
+      FROM gone
+     WHERE s.id = gone.id
+    RETURNING s.id, s.run_id, s.status, s.name, s.attempts, s.error
     """
 )
 

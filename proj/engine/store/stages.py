@@ -104,24 +104,21 @@ CREATE_STAGE = text(
 )
 
 # The next stage's one step, inserted claimed for the committing process (`attempts.Carry`): the
-# step row, the run pointer and the attempt record, in a transaction that locked the run already.
+# step row (its attempt stamped on it) and the run pointer, in a transaction that locked the run.
 CLAIM_NEXT = text(
     """
     WITH ins AS (
         INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, next_attempt_at,
                                  published_at, status, lease_token, lease_owner, lease_until,
-                                 attempts, started_at)
+                                 attempts, started_at, claimed_at)
         SELECT :run, :next_stage, :next_name, 0, :next_max, now(), now(), 'running', :next_tok,
-               :owner, now() + make_interval(secs => :ttl), 1, now()
+               :owner, now() + make_interval(secs => :ttl), 1, now(), now()
         ON CONFLICT (run_id, stage, item_index) DO NOTHING
         RETURNING id, now() AS claimed_at
     ), pointed AS (
         UPDATE engine.task_run SET current_stage = :next_stage, current_step = :next_label,
                updated_at = now()
          WHERE id = :run
-    ), attempt AS (
-        INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker)
-        SELECT id, 1, :next_tok, :owner FROM ins
     )
     SELECT id, claimed_at FROM ins
     """

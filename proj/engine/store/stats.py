@@ -128,7 +128,7 @@ SIGNAL_WAKE_BUCKETS = text(
     """
     SELECT width_bucket(w.secs, CAST(:bounds AS float8[])) AS bucket, count(*) AS n,
            sum(w.secs)::float8 AS total
-      FROM (SELECT extract(epoch FROM (SELECT min(a.started_at) FROM engine.step_attempt a
+      FROM (SELECT extract(epoch FROM (SELECT min(a.started_at) FROM engine.attempt a
                                         WHERE a.step_id = s.id AND a.started_at >= s.signalled_at)
                                       - s.signalled_at)::float8 AS secs
               FROM engine.step s
