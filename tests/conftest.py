@@ -112,6 +112,17 @@ def inproc(engine):
 
 
 @pytest.fixture
+def published(monkeypatch):
+    """Messages the engine would send, recorded instead of sent (tests that call
+    `protocol.execute` themselves and see which steps travelled as messages)."""
+    from proj.engine import dispatch
+
+    sent: list[dispatch.Dispatch] = []
+    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.extend(items))
+    return sent
+
+
+@pytest.fixture
 def procs(tmp_path):
     """Real `celery -A proj worker|beat` subprocesses; all are killed at teardown."""
     group = services.ProcessGroup(tmp_path)

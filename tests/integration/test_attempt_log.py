@@ -12,25 +12,13 @@ import time
 import uuid
 from typing import Any
 
-import pytest
-
 from proj import db
-from proj.engine import dispatch, protocol, runs
+from proj.engine import protocol, runs
 from proj.engine.store import cancels, recovery
 from proj.engine.store import claims as store
 from tests.conftest import new_key
 from tests.support.services import scalar, sql
-
-
-@pytest.fixture
-def published(monkeypatch) -> list[dispatch.Dispatch]:
-    sent: list[dispatch.Dispatch] = []
-    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.extend(items))
-    return sent
-
-
-def _first_step(run_id: Any) -> int:
-    return scalar("SELECT id FROM engine.step WHERE run_id = %s AND stage = 0", (run_id,))
+from tests.support.steps import first_step
 
 
 def _log(run_id: Any) -> list[tuple[Any, ...]]:
@@ -59,7 +47,7 @@ def _claim(step_id: int) -> uuid.UUID:
 
 def test_a_run_that_succeeds_writes_no_attempt_row(published) -> None:
     ref = runs.enqueue("probe", {}, idempotency_key=new_key())
-    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+    assert protocol.execute(first_step(ref.task_run_id), starts_run=True) == "succeeded"
 
     assert _log(ref.task_run_id) == []
     assert _history(ref.task_run_id) == [(f"s{i}", 1, "succeeded") for i in range(1, 6)]
@@ -74,7 +62,7 @@ def test_a_run_that_succeeds_writes_no_attempt_row(published) -> None:
 def test_attempts_that_fail_are_logged_with_their_outcome(published) -> None:
     """`flaky` fails its second step three times (its retry cap)."""
     ref = runs.enqueue("flaky", {}, idempotency_key=new_key())
-    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "retry"
+    assert protocol.execute(first_step(ref.task_run_id), starts_run=True) == "retry"
     fails = scalar("SELECT id FROM engine.step WHERE run_id = %s AND name = 'fails'", (ref.task_run_id,))
     for want in ("retry", "failed"):
         deadline = time.monotonic() + 5
@@ -97,7 +85,7 @@ def test_attempts_that_fail_are_logged_with_their_outcome(published) -> None:
 
 def test_an_expired_lease_logs_its_attempt_as_an_orphan() -> None:
     ref = runs.enqueue("probe", {}, idempotency_key=new_key())
-    step_id = _first_step(ref.task_run_id)
+    step_id = first_step(ref.task_run_id)
     token = _claim(step_id)
     assert _history(ref.task_run_id) == [("s1", 1, None)], "the running attempt, from the step row"
     sql("UPDATE engine.step SET lease_until = now() - interval '1 second' WHERE id = %s", (step_id,))
@@ -114,7 +102,7 @@ def test_an_expired_lease_logs_its_attempt_as_an_orphan() -> None:
 
 def test_a_run_canceled_mid_step_logs_the_running_attempt_as_an_orphan() -> None:
     ref = runs.enqueue("probe", {}, idempotency_key=new_key())
-    step_id = _first_step(ref.task_run_id)
+    step_id = first_step(ref.task_run_id)
     token = _claim(step_id)
 
     with db.transaction() as s:

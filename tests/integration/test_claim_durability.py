@@ -21,26 +21,15 @@ import pytest
 from sqlalchemy import text
 
 from proj import db
-from proj.engine import dispatch, protocol, runs
+from proj.engine import protocol, runs
 from proj.engine.store import claims as store
 from proj.engine.store import recovery
 from proj.settings import get_settings
 from tests.conftest import new_key
 from tests.support.services import scalar, sql
+from tests.support.steps import first_step
 
 SETTING = text("SELECT current_setting('synchronous_commit')")
-
-
-@pytest.fixture
-def published(monkeypatch) -> list[dispatch.Dispatch]:
-    """Messages the engine would send, recorded instead of sent."""
-    sent: list[dispatch.Dispatch] = []
-    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.extend(items))
-    return sent
-
-
-def _first_step(run_id: Any) -> int:
-    return scalar("SELECT id FROM engine.step WHERE run_id = %s AND stage = 0", (run_id,))
 
 
 def _claim_params(step_id: int) -> dict[str, Any]:
@@ -54,7 +43,7 @@ def test_a_claim_commits_without_waiting_for_the_wal_flush() -> None:
     ref = runs.enqueue("probe", {}, idempotency_key=new_key())
     with db.transaction() as s:
         assert s.execute(SETTING).scalar_one() == "on"
-        assert store.claim(s, **_claim_params(_first_step(ref.task_run_id))) is not None
+        assert store.claim(s, **_claim_params(first_step(ref.task_run_id))) is not None
         assert s.execute(SETTING).scalar_one() == "off"
     with db.transaction() as s:
         assert s.execute(SETTING).scalar_one() == "on"
@@ -72,7 +61,7 @@ def _take(take: str, ex: db.Autocommit, step_id: int) -> None:
 def test_every_claim_statement_sets_it_for_its_own_transaction(take: str) -> None:
     """Each claiming statement relaxes the transaction it runs in (here an open one, so that
     the setting can be read back before the commit)."""
-    step_id = _first_step(runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id)
+    step_id = first_step(runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id)
     fairy = db.get_engine().raw_connection()
     try:
         pg = fairy.driver_connection
@@ -90,14 +79,14 @@ def test_every_claim_statement_sets_it_for_its_own_transaction(take: str) -> Non
 def test_the_setting_ends_with_the_claim_statement_on_a_pooled_connection(take: str) -> None:
     """On the autocommit path the claim is its own transaction: the step's commit, the next
     statement on that pooled connection, still waits for its flush."""
-    step_id = _first_step(runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id)
+    step_id = first_step(runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id)
     with db.autocommit() as conn:
         _take(take, conn, step_id)
         assert conn.first(SETTING, {})[0] == "on"
 
 
 def test_a_claim_that_finds_nothing_leaves_the_setting_alone() -> None:
-    step_id = _first_step(runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id)
+    step_id = first_step(runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id)
     with db.transaction() as s:
         assert store.claim(s, **_claim_params(step_id)) is not None
     with db.transaction() as s:
@@ -115,7 +104,7 @@ def test_a_claim_lost_to_a_crash_is_fenced_and_the_step_runs_again(published, mo
     ref = runs.enqueue("probe", {"fenced_effect": True}, idempotency_key=new_key())
     run = ref.task_run_id
     published.clear()
-    assert protocol.execute(_first_step(run), starts_run=True, limited=False) == "succeeded"
+    assert protocol.execute(first_step(run), starts_run=True, limited=False) == "succeeded"
     (s2,) = published
     published.clear()
 

@@ -13,22 +13,11 @@ from typing import Any
 
 import pytest
 
-from proj.engine import chain, dispatch, protocol, runs
+from proj.engine import chain, protocol, runs
 from proj.settings import get_settings
 from tests.conftest import new_key
 from tests.support.services import scalar, sql
-
-
-@pytest.fixture
-def published(monkeypatch) -> list[dispatch.Dispatch]:
-    """Messages the engine would send, recorded instead of sent."""
-    sent: list[dispatch.Dispatch] = []
-    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.extend(items))
-    return sent
-
-
-def _first_step(run_id: Any) -> int:
-    return scalar("SELECT id FROM engine.step WHERE run_id = %s AND stage = 0", (run_id,))
+from tests.support.steps import first_step
 
 
 def _steps(run_id: Any) -> list[tuple[Any, ...]]:
@@ -43,7 +32,7 @@ def test_a_linear_chain_runs_to_the_end_from_one_message(published) -> None:
     ref = runs.enqueue("probe", {"n": 3}, idempotency_key=new_key())
     published.clear()
 
-    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+    assert protocol.execute(first_step(ref.task_run_id), starts_run=True) == "succeeded"
 
     assert published == [], "no step after the first needed a message"
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "succeeded"
@@ -61,7 +50,7 @@ def test_the_inline_budget_hands_the_rest_of_the_chain_to_a_message(published, m
     ref = runs.enqueue("probe", {}, idempotency_key=new_key())
     published.clear()
 
-    protocol.execute(_first_step(ref.task_run_id), starts_run=True)
+    protocol.execute(first_step(ref.task_run_id), starts_run=True)
 
     statuses = [(r[0], r[1]) for r in _steps(ref.task_run_id)]
     assert statuses == [("s1", "succeeded"), ("s2", "succeeded"), ("s3", "succeeded"), ("s4", "pending")]
@@ -74,7 +63,7 @@ def test_inline_off_publishes_every_step(published, monkeypatch) -> None:
     monkeypatch.setattr(get_settings(), "inline_steps", 0)
     ref = runs.enqueue("probe", {}, idempotency_key=new_key())
     published.clear()
-    protocol.execute(_first_step(ref.task_run_id), starts_run=True)
+    protocol.execute(first_step(ref.task_run_id), starts_run=True)
     assert [d.task_name for d in published] == ["probe.v1.s2"]
 
 
@@ -85,8 +74,8 @@ def test_limited_kinds_and_fan_outs_go_back_to_the_broker(published) -> None:
     fan = runs.enqueue("fan", {"items": 3}, idempotency_key=new_key())
     published.clear()
 
-    protocol.execute(_first_step(keyed.task_run_id))
-    protocol.execute(_first_step(fan.task_run_id), starts_run=True)
+    protocol.execute(first_step(keyed.task_run_id))
+    protocol.execute(first_step(fan.task_run_id), starts_run=True)
 
     assert sorted(d.task_name for d in published) == ["fan.v1.each"] * 3 + ["keyed.v1.second"]
 
@@ -123,7 +112,7 @@ def test_a_linear_chain_costs_one_statement_per_step(published, sent_sql) -> Non
     """The claim and each commit are single statements in autocommit: no BEGIN/COMMIT round
     trips, no second statement to advance the run (`chain.commit_alone`)."""
     ref = runs.enqueue("probe", {"n": 4}, idempotency_key=new_key())
-    first = _first_step(ref.task_run_id)
+    first = first_step(ref.task_run_id)
     sent_sql["statements"].clear()
     sent_sql["commits"].clear()
 
@@ -154,7 +143,7 @@ def test_a_step_per_message_costs_two_statements(published, sent_sql, monkeypatc
     no BEGIN/COMMIT round trips, no second statement to advance the run."""
     monkeypatch.setattr(get_settings(), "inline_steps", 0)
     ref = runs.enqueue("probe", {"n": 2}, idempotency_key=new_key())
-    step_id = _first_step(ref.task_run_id)
+    step_id = first_step(ref.task_run_id)
     published.clear()
 
     for i in range(1, 6):
@@ -199,7 +188,7 @@ def test_a_cancel_asked_during_a_step_stops_the_chain_at_its_commit(published, m
     published.clear()
     _before_the_commit(monkeypatch, lambda c: c.name == "s2" and runs.cancel(c.run_id, "test"))
 
-    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "succeeded"
+    assert protocol.execute(first_step(ref.task_run_id), starts_run=True) == "succeeded"
 
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == "canceled"
     assert [(r[0], r[1]) for r in _steps(ref.task_run_id)] == [("s1", "succeeded"), ("s2", "succeeded")]
@@ -217,7 +206,7 @@ def test_a_step_whose_lease_moved_on_commits_nothing(published, monkeypatch) -> 
 
     _before_the_commit(monkeypatch, steal)
 
-    assert protocol.execute(_first_step(ref.task_run_id), starts_run=True) == "lease_lost"
+    assert protocol.execute(first_step(ref.task_run_id), starts_run=True) == "lease_lost"
 
     assert [(r[0], r[1]) for r in _steps(ref.task_run_id)] == [("s1", "succeeded"), ("s2", "running")]
     assert (
