@@ -1,4 +1,5 @@
-"""What the throughput benchmark runs: kind `noop5` (5 no-op steps) and plain Celery tasks.
+"""What the throughput benchmark runs: kind `noop5` (5 no-op steps), plain Celery tasks, and the
+floor's tasks (a plain task that also runs two one-row statements).
 
 Loaded in the worker with `ENGINE_EXTRA_KINDS=bench.kinds`; the plain tasks register on the same
 app, so one worker process serves both. Plain chains travel on the `engine` queue (idle without
@@ -7,16 +8,21 @@ beat), our steps on `noop5.v1`: both on the same Redis broker.
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from celery import shared_task
 from pydantic import BaseModel
+from sqlalchemy import text
 
+from proj import db
 from proj.engine.context import StepContext
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.settings import get_settings
 
 PLAIN_QUEUE = "engine"
 PLAIN_COUNTER = "bench:plain:done"
+FLOOR_COUNTER = "bench:floor:done"
 
 
 class NoopInput(BaseModel):
@@ -58,3 +64,55 @@ def plain_noop() -> None:
 def plain_done() -> None:
     """The chain's fifth task: a no-op that makes completion observable without a backend."""
     counter().incr(PLAIN_COUNTER)
+
+
+# The floor (`bench.throughput --floor`, `bench.step_cost`): what any engine that claims a step
+# before its body and commits it after (DESIGN invariants 1 and 3) pays at least per step, with one
+# row per step and nothing else: two one-row updates by primary key through the engine's autocommit
+# path (`proj.db.autocommit`). The first does not wait for its WAL flush, as the claim does not
+# (`proj.engine.store.claims`); the second waits, as a commit must.
+FLOOR_DDL = "CREATE TABLE IF NOT EXISTS bench_floor (id bigint PRIMARY KEY, status text NOT NULL)"
+FLOOR_FILL = "INSERT INTO bench_floor SELECT g, 'pending' FROM generate_series(1, %(n)s) g"
+FLOOR_CLAIM = text(
+    """
+    WITH claimed AS (
+        UPDATE bench_floor SET status = 'running' WHERE id = :id AND status = 'pending' RETURNING id
+    ), relaxed AS (
+        SELECT set_config('synchronous_commit', 'off', true)
+    )
+    SELECT claimed.id FROM claimed, relaxed
+    """
+)
+FLOOR_COMMIT = text(
+    "UPDATE bench_floor SET status = 'succeeded' WHERE id = :id AND status = 'running' RETURNING id"
+)
+
+
+def floor_reset(pg: Any, n: int) -> None:
+    """Rows 1..n pending, and no others (`pg`: an autocommit psycopg connection)."""
+    pg.execute(FLOOR_DDL)
+    pg.execute("TRUNCATE bench_floor")
+    pg.execute(FLOOR_FILL, {"n": n})
+    pg.execute("VACUUM ANALYZE bench_floor")
+
+
+def floor_step(row: int) -> None:
+    """Claim row `row`, then commit it: two autocommit statements, as the engine's message step."""
+    with db.autocommit() as conn:
+        if conn.first(FLOOR_CLAIM, {"id": row}) is None:
+            raise RuntimeError(f"floor row {row} was not pending")
+    with db.autocommit() as conn:
+        if conn.first(FLOOR_COMMIT, {"id": row}) is None:
+            raise RuntimeError(f"floor row {row} was not running")
+
+
+@shared_task(name="floor.link", ignore_result=True)
+def floor_link(row: int) -> None:
+    floor_step(row)
+
+
+@shared_task(name="floor.done", ignore_result=True)
+def floor_done(row: int) -> None:
+    """The floor chain's fifth link; makes completion observable, as `plain.done`."""
+    floor_step(row)
+    counter().incr(FLOOR_COUNTER)

@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "writes FILE (speedscope JSON if it ends in .json, else flamegraph SVG)",
     )
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run a third side, 'floor': plain chains whose every link also runs the two one-row "
+        "statements of bench.kinds.floor_step, the least any engine pays that claims each step before "
+        "its body and commits it after",
+    )
+    p.add_argument(
         "--profile-sides",
         default="ours",
         help="which rounds --profile records: ours, plain or ours,plain (the side is then part "
@@ -277,6 +284,31 @@ class Bench:
                 sig = chain(*(plain_noop.si() for _ in range(STEPS - 1)), plain_done.si())
                 sig.apply_async(queue=PLAIN_QUEUE, producer=producer)
 
+    # floor: plain chains, and two one-row statements in each link ------------------------------
+
+    def reset_floor(self, n: int) -> None:
+        from bench.kinds import FLOOR_COUNTER, floor_reset
+
+        floor_reset(self.pg, n * STEPS)
+        self.redis.delete(FLOOR_COUNTER)
+
+    def floor_done(self) -> int:
+        from bench.kinds import FLOOR_COUNTER
+
+        return int(self.redis.get(FLOOR_COUNTER) or 0)
+
+    def submit_floor(self, n: int) -> None:
+        from celery import chain
+
+        from bench.kinds import PLAIN_QUEUE, floor_done, floor_link
+        from proj.celery import app
+
+        with app.producer_or_acquire() as producer:
+            for i in range(n):
+                rows = [i * STEPS + k for k in range(1, STEPS + 1)]
+                sig = chain(*(floor_link.si(r) for r in rows[:-1]), floor_done.si(rows[-1]))
+                sig.apply_async(queue=PLAIN_QUEUE, producer=producer)
+
     # one round -----------------------------------------------------------------------------
 
     def _redis_run_id(self) -> str | None:
@@ -309,6 +341,7 @@ class Bench:
         reset, submit, done = {
             "ours": (self.reset_ours, self.submit_ours, self.ours_done),
             "plain": (self.reset_plain, self.submit_plain, self.plain_done),
+            "floor": (lambda: self.reset_floor(n), self.submit_floor, self.floor_done),
         }[side]
         reset()
         redis_run = self._redis_run_id()
@@ -433,20 +466,21 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['steps_per_s']:>10.1f}{r['runs_per_s']:>9.1f}"
         )
     print()
-    for side in ("plain", "ours"):
+    sides = list(report["median"])
+    for side in sides:
         s = report["median"][side]
         print(
             f"{'median':<10}{side:<7}{s['seconds']:>9.2f}{s['submit_s']:>10.2f}"
             f"{s['steps_per_s']:>10.1f}{s['runs_per_s']:>9.1f}"
         )
     print()
-    plain, ours = report["median"]["plain"], report["median"]["ours"]
-    print("CPU ms per step (median of rounds)        plain      ours")
-    for g in ours["cpu_ms_per_step"]:
-        print(f"  {g:<38}{plain['cpu_ms_per_step'][g]:>7.2f}{ours['cpu_ms_per_step'][g]:>10.2f}")
+    medians = [report["median"][side] for side in sides]
+    print(f"{'CPU ms per step (median of rounds)':<40}" + "".join(f"{side:>10}" for side in sides))
+    for g in medians[0]["cpu_ms_per_step"]:
+        print(f"  {g:<38}" + "".join(f"{m['cpu_ms_per_step'][g]:>10.2f}" for m in medians))
     print(
         f"  {'machine busy, % of ' + str(m['nproc']) + ' cpu':<38}"
-        f"{plain['machine_busy_pct']:>7.0f}{ours['machine_busy_pct']:>10.0f}"
+        + "".join(f"{md['machine_busy_pct']:>10.0f}" for md in medians)
     )
     if report["noisy"]:
         print(
@@ -457,12 +491,22 @@ def print_table(report: dict[str, Any]) -> None:
         f"CPU cost ratio (worker + postgres + redis CPU per step, plain/ours) = {report['cpu_ratio']:.2f}"
         " -- what the rate ratio would be if the machine were only CPU-bound by this benchmark"
     )
-    print(
-        f"WAL flushes per step, ours = {report['wal_flushes_per_ours_step']:.2f} -- pg_stat_wal.wal_sync over"
-        " the measured rounds, the whole cluster's (plain writes nothing to Postgres)"
-    )
+    if report["wal_flushes_per_ours_step"] is None:
+        print("WAL flushes per step: not measured with --floor (the floor's commits flush too)")
+    else:
+        print(
+            f"WAL flushes per step, ours = {report['wal_flushes_per_ours_step']:.2f} -- pg_stat_wal.wal_sync"
+            " over the measured rounds, the whole cluster's (plain writes nothing to Postgres)"
+        )
     print()
     print(f"ratio ours/plain = {report['ratio']:.2f} (target >= 0.70)")
+    if "floor_ratio" in report:
+        print(
+            f"ratio floor/plain = {report['floor_ratio']:.2f}"
+            f" (CPU cost ratio {report['floor_cpu_ratio']:.2f})"
+            " -- plain chains whose links also claim and commit one row each: the most that an engine"
+            " with a claim and a commit per message step could reach here"
+        )
 
 
 def start_profiler(pid: int, out: str, seconds: float) -> subprocess.Popen[bytes]:
@@ -512,22 +556,25 @@ def main(argv: list[str] | None = None) -> int:
 
     log = Path(tempfile.mkdtemp(prefix="bench-")) / "worker.log"
     worker = Worker(args.concurrency, env, log)
-    rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "ours": []}
+    sides = ("plain", "ours", "floor") if args.floor else ("plain", "ours")
+    rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     flat: list[dict[str, Any]] = []
     try:
         bench = Bench(args, worker)
         # Warm-up doubles as the readiness check (at WARNING the worker prints no "ready").
         bench.args.timeout, timeout = max(args.timeout, 90.0), args.timeout
-        bench.run("plain", args.warmup)
-        bench.run("ours", args.warmup)
+        for side in sides:
+            bench.run(side, args.warmup)
         bench.args.timeout = timeout
         wal0 = wal_syncs(bench.pg)
         for i in range(args.rounds):
-            for side in ("plain", "ours"):
+            for side in sides:
                 prof = None
-                sides = [x.strip() for x in args.profile_sides.split(",")]
-                if args.profile and side in sides:
-                    out = args.profile if len(sides) == 1 else f".{side}.".join(args.profile.rsplit(".", 1))
+                profiled = [x.strip() for x in args.profile_sides.split(",")]
+                if args.profile and side in profiled:
+                    out = args.profile
+                    if len(profiled) > 1:
+                        out = f".{side}.".join(out.rsplit(".", 1))
                     out = out if args.rounds == 1 else f"{i}.".join(out.rsplit(".", 1))
                     prof = start_profiler(worker.proc.pid, out, args.runs * STEPS / 100 + 5)
                     time.sleep(1.0)
@@ -543,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         if broker.get(LOCK_KEY) == str(os.getpid()).encode():
             broker.delete(LOCK_KEY)
     time.sleep(1.0)  # the worker's backends report their WAL statistics as they exit
-    wal_per_step = (wal_syncs(bench.pg) - wal0) / (args.rounds * args.runs * STEPS)
+    # With --floor the floor's commits flush too, and pg_stat_wal is the whole cluster's.
+    wal_per_step = None if args.floor else (wal_syncs(bench.pg) - wal0) / (args.rounds * args.runs * STEPS)
 
     median = summarise(rounds)
     from proj.celery import app
@@ -569,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         "wal_flushes_per_ours_step": wal_per_step,
         "noisy": any(median[side]["cpu_ms_per_step"]["other"] > NOISY_OTHER_MS for side in median),
     }
+    if args.floor:
+        report["floor_ratio"] = median["floor"]["steps_per_s"] / median["plain"]["steps_per_s"]
+        report["floor_cpu_ratio"] = service_cpu(median["plain"]) / service_cpu(median["floor"])
     print_report(report, args.json, print_table)
     return 0
 
