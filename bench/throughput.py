@@ -11,6 +11,10 @@ Redis counter INCRed by each chain's last task for plain. Both timings run from 
 message submitted to the poll that sees all N done, so they include enqueueing (ours inserts the
 N runs in one transaction, then publishes the N first steps with one producer; plain sends the
 N chains with one producer).
+
+`--floor` adds a third side, alternating with the two: plain chains whose every link also runs
+two one-row statements (`bench.kinds.floor_step`), the least an engine pays per message step if
+it claims each step before its body and commits it after (`bench/README.md`, session 9).
 """
 
 from __future__ import annotations
