@@ -40,7 +40,6 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -49,34 +48,27 @@ from bench.common import (
     machine,
     machine_line,
     prepare_database,
+    proc_cpu,
     service_env,
     set_env,
 )
 
 STEPS = 5  # kind `noop5`
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
 class Cost:
-    """Per step, in milliseconds."""
+    """Per step, in milliseconds (`postgres_cpu` None: not measured, the publish)."""
 
     client_cpu: float
-    postgres_cpu: float
+    postgres_cpu: float | None
     wall: float
 
 
 def backend_cpu(pg: Any) -> float:
     """CPU seconds so far of the Postgres backends of the engine's pool."""
     pids = [r[0] for r in pg.execute("SELECT pid FROM pg_stat_activity WHERE application_name = 'proj'")]
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a pooled connection closed meanwhile
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLK_TCK
+    return sum(proc_cpu(pid) for pid in pids)  # 0 for a pooled connection closed meanwhile
 
 
 @contextmanager
@@ -98,7 +90,7 @@ class PublishMeter:
         self.wall = 0.0
         self.calls = 0
         self._inner: Callable[[Sequence[Any]], list[Any]] = dispatch.publish
-        dispatch.publish = self  # type: ignore[assignment]  # looked up by name at each call
+        dispatch.publish = self  # looked up by name at each call
 
     def __call__(self, items: Sequence[Any]) -> list[Any]:
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -167,10 +159,10 @@ def message_steps(pg: Any, n: int, meter: PublishMeter) -> tuple[Cost, Cost]:
     assert calls == n * (STEPS - 1), f"{calls} messages published, {n * (STEPS - 1)} expected"
     total = Cost(
         sum(c.client_cpu for c in costs) / len(costs),
-        sum(c.postgres_cpu for c in costs) / len(costs),
+        sum(c.postgres_cpu or 0.0 for c in costs) / len(costs),
         sum(c.wall for c in costs) / len(costs),
     )
-    publish = Cost(1000 * cpu / steps, 0.0, 1000 * wall / steps)
+    publish = Cost(1000 * cpu / steps, None, 1000 * wall / steps)
     ladder = Cost(total.client_cpu - publish.client_cpu, total.postgres_cpu, total.wall - publish.wall)
     return ladder, publish
 
@@ -240,9 +232,10 @@ def main() -> None:
     print()
     print(f"{'ms per step':34s} {'client CPU':>10s} {'Postgres CPU':>13s} {'wall':>8s}")
     for name, c in rows.items():
-        pg_cpu = f"{c.postgres_cpu:13.3f}" if name != "message step: publish the next" else f"{'-':>13s}"
+        pg_cpu = f"{'-':>13s}" if c.postgres_cpu is None else f"{c.postgres_cpu:13.3f}"
         print(f"{name:34s} {c.client_cpu:10.3f} {pg_cpu} {c.wall:8.3f}")
     print()
+    assert ladder.postgres_cpu is not None and base.postgres_cpu is not None
     print(
         "a message step's claim and commit over the floor: "
         f"client +{ladder.client_cpu - base.client_cpu:.3f} ms, "
