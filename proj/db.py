@@ -26,13 +26,16 @@ _sessions: sessionmaker[Session] | None = None
 
 
 def get_engine() -> Engine:
-    """The process' engine, created lazily with the explicit pool budget."""
+    """The process' engine, created lazily with the explicit pool budget.
+
+    The engine is published last, after its session factory: a thread that finds `_engine` set
+    without taking the lock must also find `_sessions` set (`sessions()` asserts it)."""
     global _engine, _sessions
     if _engine is None:
         with _lock:
             if _engine is None:
                 s = get_settings()
-                _engine = create_engine(
+                engine = create_engine(
                     s.require_database_url(),
                     pool_size=s.db_pool_size,
                     max_overflow=s.db_max_overflow,
@@ -44,8 +47,9 @@ def get_engine() -> Engine:
                         **pooler_params(),
                     },
                 )
-                _ping_when_idle(_engine, s.db_ping_idle_s)
-                _sessions = sessionmaker(_engine, expire_on_commit=False)
+                _ping_when_idle(engine, s.db_ping_idle_s)
+                _sessions = sessionmaker(engine, expire_on_commit=False)
+                _engine = engine
     return _engine
 
 
