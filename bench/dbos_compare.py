@@ -4,8 +4,9 @@
     .venv/bin/python -m bench.dbos_compare [--runs 200] [--rounds 2] [--json]
 
 Both sides run N runs/workflows of **5 no-op durable steps** and are timed from the first
-submission to the poll that sees all N finished (submission included for both: N inserts in
-one transaction each side), alternately, after a warm-up; figures are medians.
+submission to the poll that sees all N finished (submission included for both: N runs in one
+transaction each side, ours with `enqueue_many`'s one statement, DBOS with one insert per
+workflow), alternately, after a warm-up; figures are medians.
 
 - **ours**: bench/throughput.py's `ours` round, imported (`bench.throughput.Bench`, kind `noop5`
   of bench/kinds.py) on one `celery -A proj worker -P prefork -c 2 -O fair` (its `Worker`),

@@ -9,8 +9,8 @@ measures plain and ours alternately and prints median rates and the ratio ours/p
 Completion is observed by polling every 50 ms: `engine.task_run` succeeded count for ours, a
 Redis counter INCRed by each chain's last task for plain. Both timings run from the first
 message submitted to the poll that sees all N done, so they include enqueueing (ours inserts the
-N runs in one transaction, then publishes the N first steps with one producer; plain sends the
-N chains with one producer).
+N runs with `enqueue_many`, one transaction and one statement, then publishes the N first steps
+with one producer; plain sends the N chains with one producer).
 
 `--floor` adds a third side, alternating with the two: plain chains whose every link also runs
 two one-row statements (`bench.kinds.floor_step`), the least an engine pays per message step if
@@ -258,16 +258,10 @@ class Bench:
         return int(row[0])
 
     def submit_ours(self, n: int) -> None:
-        from proj import db
-        from proj.engine import dispatch, runs
+        from proj.engine import runs
 
         tag = uuid.uuid4().hex
-        out = []
-        with db.transaction() as s:
-            for i in range(n):
-                _ref, first = runs.insert_run(s, "noop5", {"i": i}, idempotency_key=f"{tag}-{i}")
-                out.extend(first)
-        dispatch.publish_after_commit(out)
+        runs.enqueue_many("noop5", [(f"{tag}-{i}", {"i": i}) for i in range(n)])
 
     # plain ---------------------------------------------------------------------------------
 

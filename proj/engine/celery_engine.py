@@ -47,6 +47,19 @@ class CeleryTaskEngine:
             deadline_at=deadline_at,
         )
 
+    def enqueue_many(
+        self,
+        kind: str,
+        items: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        available_at: datetime | None = None,
+        priority: int = 0,
+        deadline_at: datetime | None = None,
+    ) -> list[TaskRunRef]:
+        return runs.enqueue_many(
+            kind, items, available_at=available_at, priority=priority, deadline_at=deadline_at
+        )
+
     def result(self, task_run_id: UUID, timeout_s: float) -> Any:
         return runs.result(task_run_id, timeout_s)
 

@@ -12,8 +12,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
+from opentelemetry.trace import Span
 from sqlalchemy.orm import Session
 
 from proj import db
@@ -67,7 +68,68 @@ def insert_run(
     re-sends. `trace` is a W3C carrier to parent the run's trace on; by default the caller's
     current span is the parent.
     """
-    check_key(idempotency_key)
+    check_options(available_at, priority, deadline_at)
+    kind = get_kind(kind_name, version)
+    item = _prepare(kind, input, idempotency_key)
+    run_id = uuid.uuid4()
+    with tracing.enqueue_span(kind.name, kind.version, run_id, parent=trace) as (span, carrier):
+        new = _new_run(kind, item, run_id, available_at, priority, carrier, deadline_at)
+        new = new._replace(parent_run_id=parent_run_id, inherited_deadline=inherited_deadline)
+        plan = _plan(s, kind, item, run_id)
+        first = stage_rows(kind, 0, plan)
+        ref, out = _inserted(
+            s, kind, new, plan, first, store.insert_run(s, new, first, due=available_at is None)
+        )
+        _end_enqueue_span(span, ref)
+    return ref, out
+
+
+def insert_runs(
+    s: Session,
+    kind_name: str,
+    items: Sequence[tuple[str, Mapping[str, Any]]],
+    *,
+    available_at: datetime | None = None,
+    priority: int = 0,
+    trace: Mapping[str, Any] | None = None,
+    deadline_at: datetime | None = None,
+) -> tuple[list[TaskRunRef], list[Dispatch]]:
+    """`insert_run` for each `(idempotency_key, input)` of `items`, with the same options, inside
+    the caller's transaction: one ref per item, in order, and the messages to publish after it.
+
+    Why: a batch costs one statement (`store.insert_runs`) instead of one round trip per run, so
+    200 runs are written in 15 ms instead of 90 ms, and workers start that much sooner
+    (`bench.throughput`). Every item is checked before anything is written; a key whose stored
+    run has another input (`IdempotencyConflict`) fails the batch, and the caller's transaction
+    rolls back. A key given twice names one run: the later item gets it with `created=False`
+    (`tests/integration/test_enqueue_many.py`).
+    """
+    check_options(available_at, priority, deadline_at)
+    kind = get_kind(kind_name, None)
+    if not all(isinstance(item, tuple) and len(item) == 2 for item in items):
+        raise InvalidInput("items must be (idempotency_key, input) pairs")
+    prepared = [_prepare(kind, input, key) for key, input in items]
+    run_ids = [uuid.uuid4() for _ in prepared]
+    with tracing.enqueue_spans(kind.name, kind.version, run_ids, parent=trace) as spans:
+        news = [
+            _new_run(kind, item, run_id, available_at, priority, carrier, deadline_at)
+            for item, run_id, (_, carrier) in zip(prepared, run_ids, spans, strict=True)
+        ]
+        plans = [_plan(s, kind, item, run_id) for item, run_id in zip(prepared, run_ids, strict=True)]
+        firsts = [stage_rows(kind, 0, plan) for plan in plans]
+        inserted = store.insert_runs(s, news, firsts, available_at=available_at, due=available_at is None)
+        refs: list[TaskRunRef] = []
+        out: list[Dispatch] = []
+        for new, plan, first, (span, _) in zip(news, plans, firsts, spans, strict=True):
+            ref, sent = _inserted(s, kind, new, plan, first, inserted.get(new.run_id))
+            _end_enqueue_span(span, ref)
+            refs.append(ref)
+            out.extend(sent)
+    return refs, out
+
+
+def check_options(available_at: datetime | None, priority: int, deadline_at: datetime | None) -> None:
+    """Bad input in a run's options raises `InvalidInput` before anything is written."""
     if available_at is not None and not isinstance(available_at, datetime):
         raise InvalidInput(f"available_at must be a datetime or None, not {type(available_at).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) < priority < 2**31:
@@ -77,87 +139,91 @@ def insert_run(
             raise InvalidInput(f"deadline_at must be a timezone-aware datetime, not {deadline_at!r}")
         if deadline_at <= datetime.now(UTC):
             raise InvalidInput(f"deadline_at {deadline_at.isoformat()} is in the past")
-    kind = get_kind(kind_name, version)
+
+
+class _Item(NamedTuple):
+    """One run to enqueue, checked: its key, its input validated and canonical, the input's
+    digest and the run's concurrency key."""
+
+    key: str
+    stored: dict[str, Any]
+    digest: str
+    ckey: str | None
+
+
+def _prepare(kind: Kind, input: Mapping[str, Any], idempotency_key: str) -> _Item:
+    check_key(idempotency_key)
     stored, digest = canonical_input(kind, input)
     ckey = kind.concurrency_key(kind.input_model.model_validate(stored)) if kind.concurrency_key else None
-    if ckey is not None and not isinstance(ckey, str):
-        ckey = str(ckey)
-    run_id = uuid.uuid4()
-    with tracing.enqueue_span(kind.name, kind.version, run_id, parent=trace) as (span, carrier):
-        ref, out = _insert(
-            s,
-            kind,
-            stored,
-            digest,
-            idempotency_key,
-            run_id,
-            ckey,
-            available_at,
-            priority,
-            carrier,
-            deadline_at,
-            parent_run_id,
-            inherited_deadline,
-        )
-        span.set_attribute("engine.created", ref.created)
-        if not ref.created:
-            span.set_attribute("engine.run_id", str(ref.task_run_id))
-    return ref, out
+    return _Item(idempotency_key, stored, digest, None if ckey is None else str(ckey))
 
 
-def _insert(
-    s: Session,
+def _plan(s: Session, kind: Kind, item: _Item, run_id: uuid.UUID) -> PlanContext:
+    return PlanContext(run_id=run_id, kind=kind, raw_input=item.stored, _session=s)
+
+
+def _new_run(
     kind: Kind,
-    stored: dict[str, Any],
-    digest: str,
-    idempotency_key: str,
+    item: _Item,
     run_id: uuid.UUID,
-    ckey: str | None,
     available_at: datetime | None,
     priority: int,
     trace: Mapping[str, Any] | None,
-    deadline_at: datetime | None = None,
-    parent_run_id: uuid.UUID | None = None,
-    inherited_deadline: datetime | None = None,
-) -> tuple[TaskRunRef, list[Dispatch]]:
-    plan = PlanContext(run_id=run_id, kind=kind, raw_input=stored, _session=s)
-    first = stage_rows(kind, 0, plan)
-    due_now = available_at is None
-    new = store.NewRun(
+    deadline_at: datetime | None,
+) -> store.NewRun:
+    """The run's row, without a parent (`insert_run` adds one)."""
+    return store.NewRun(
         run_id=run_id,
         kind=kind.name,
         version=kind.version,
-        idempotency_key=idempotency_key,
-        input_json=json.dumps(stored),
-        input_hash=digest,
+        idempotency_key=item.key,
+        input_json=json.dumps(item.stored),
+        input_hash=item.digest,
         priority=priority,
-        concurrency_key=ckey,
+        concurrency_key=item.ckey,
         available_at=available_at,
         trace_json=json.dumps(dict(trace)) if trace else None,
         label=kind.canvas[0].label,
-        parent_run_id=parent_run_id,
+        parent_run_id=None,
         deadline_at=deadline_at,
-        inherited_deadline=inherited_deadline,
+        inherited_deadline=None,
         deadline_s=kind.deadline_s,
     )
-    inserted = store.insert_run(s, new, first, due=due_now)
-    if inserted is None:
-        existing = store.existing_run(s, kind.name, idempotency_key)
-        if existing.input_hash != digest:
-            raise IdempotencyConflict(kind.name, idempotency_key, existing.id)
+
+
+def _inserted(
+    s: Session,
+    kind: Kind,
+    new: store.NewRun,
+    plan: PlanContext,
+    first: store.StageRows,
+    steps: list[StepRef] | None,
+) -> tuple[TaskRunRef, list[Dispatch]]:
+    """What the insert of `new` came to: its twin when the key named a run already (`steps`
+    None), else the new run and the messages of its first stage with steps."""
+    if steps is None:
+        existing = store.existing_run(s, kind.name, new.idempotency_key)
+        if existing.input_hash != new.input_hash:
+            raise IdempotencyConflict(kind.name, new.idempotency_key, existing.id)
         return TaskRunRef(existing.id, created=False), []
-    ref = TaskRunRef(run_id, created=True)
+    ref = TaskRunRef(new.run_id, created=True)
     if first.names:
-        out = stage_dispatches(kind, inserted, priority) if due_now else []
+        out = stage_dispatches(kind, steps, new.priority) if new.available_at is None else []
         # With held siblings, item 0 starts the run; the rest go out when it is claimed.
         return ref, out[:1] if kind.holds_start_siblings else out
     for stage in range(1, len(kind.canvas)):  # the first stage was an empty fan-out
         has_steps, out, _ = create_stage(
-            s, run_id, kind, stage, plan, available_at=available_at, priority=priority
+            s, new.run_id, kind, stage, plan, available_at=new.available_at, priority=new.priority
         )
         if has_steps:
             return ref, out
-    return ref, finish_run(s, run_id, kind, None)  # every stage was an empty fan-out
+    return ref, finish_run(s, new.run_id, kind, None)  # every stage was an empty fan-out
+
+
+def _end_enqueue_span(span: Span, ref: TaskRunRef) -> None:
+    span.set_attribute("engine.created", ref.created)
+    if not ref.created:
+        span.set_attribute("engine.run_id", str(ref.task_run_id))
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,6 +59,19 @@ class TaskEngine(Protocol):
         deadline_at: datetime | None = None,
     ) -> TaskRunRef: ...
 
+    def enqueue_many(
+        self,
+        kind: str,
+        items: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        available_at: datetime | None = None,
+        priority: int = 0,
+        deadline_at: datetime | None = None,
+    ) -> list[TaskRunRef]:
+        """`enqueue` for each `(idempotency_key, input)` of `items`, in one transaction (all or
+        none): one ref per item, in order."""
+        ...
+
     def result(self, task_run_id: UUID, timeout_s: float) -> Any:
         """Block until the run finishes (woken at its commit, not by polling) or `timeout_s`
         passes: its result, or raise `RunFailed`/`RunCanceled` (with `last_error`) or

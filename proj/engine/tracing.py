@@ -131,6 +131,36 @@ def enqueue_span(
         yield span, (carrier or None)
 
 
+@contextmanager
+def enqueue_spans(
+    kind: str, version: int, run_ids: list[uuid.UUID], parent: Mapping[str, Any] | None = None
+) -> Iterator[list[tuple[Span, dict[str, str] | None]]]:
+    """`enqueue_span` for each run of a batch (`chain.insert_runs`): sibling spans, each the
+    parent of its own run's trace, all open until the batch is written."""
+    ctx = propagate.extract(dict(parent)) if parent else None
+    spans: list[tuple[Span, dict[str, str] | None]] = []
+    try:
+        for run_id in run_ids:
+            span = tracer().start_span(
+                f"enqueue {kind}",
+                context=ctx,
+                kind=SpanKind.PRODUCER,
+                attributes=_attrs(kind, version, run_id),
+            )
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier, context=trace.set_span_in_context(span, ctx))
+            spans.append((span, carrier or None))
+        yield spans
+    except BaseException as exc:
+        for span, _ in spans:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+        raise
+    finally:
+        for span, _ in spans:
+            span.end()
+
+
 def skipped(carrier: Mapping[str, Any] | None) -> bool:
     """Whether `step_span` would skip this attempt's span (no trace to join, no tracer set)."""
     return not carrier and _off()

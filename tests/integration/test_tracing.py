@@ -64,8 +64,16 @@ def _named(spans: list[ReadableSpan], prefix: str) -> list[ReadableSpan]:
     return [s for s in spans if s.name.startswith(prefix)]
 
 
-def test_each_run_is_one_trace_with_a_span_per_step_attempt(inproc, spans) -> None:
-    refs = [inproc.enqueue("probe", {"n": i}, idempotency_key=new_key()) for i in range(3)]
+def _enqueue(engine, how: str, kind: str, inputs: list[dict]) -> list:
+    """Runs enqueued one by one, or as one batch (`enqueue_many`: sibling enqueue spans)."""
+    if how == "batch":
+        return engine.enqueue_many(kind, [(new_key(), inp) for inp in inputs])
+    return [engine.enqueue(kind, inp, idempotency_key=new_key()) for inp in inputs]
+
+
+@pytest.mark.parametrize("how", ["single", "batch"])
+def test_each_run_is_one_trace_with_a_span_per_step_attempt(inproc, spans, how: str) -> None:
+    refs = _enqueue(inproc, how, "probe", [{"n": i} for i in range(3)])
     for ref in refs:
         wait_for(lambda ref=ref: _status(ref.task_run_id) == "succeeded", 30, what="run to finish")
     # enqueue + 5 steps + the run span, per run
@@ -118,10 +126,11 @@ def test_failed_attempts_and_the_dead_letter_are_error_spans(inproc, spans) -> N
     assert run.attributes["engine.outcome"] == "failed" and run.status.status_code == StatusCode.ERROR
 
 
-def test_the_callers_span_is_the_parent_of_the_run(inproc, spans) -> None:
+@pytest.mark.parametrize("how", ["single", "batch"])
+def test_the_callers_span_is_the_parent_of_the_run(inproc, spans, how: str) -> None:
     """Enqueue inside a span (a request, an outbox dispatch): the run joins that trace."""
     with tracing.tracer().start_as_current_span("outbox.dispatch") as caller:
-        ref = inproc.enqueue("fan", {"items": 3}, idempotency_key=new_key())
+        (ref,) = _enqueue(inproc, how, "fan", [{"items": 3}])
     wait_for(lambda: _status(ref.task_run_id) == "succeeded", 30, what="run to finish")
     wait_for(lambda: _named(list(spans.get_finished_spans()), "run fan"), 10, what="the run span")
 

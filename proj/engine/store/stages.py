@@ -1,11 +1,13 @@
 """Runs and their stages: creating a run with its first stage, advancing to the next stage
 under the run row lock (the fan-in is counted there), and finishing a run.
 
-Each function runs the statement named like it in capitals (`insert_run`: `INSERT_RUN`).
+Each function runs the statement named like it in capitals (`lock_run`: `LOCK_RUN`); `insert_run`
+and `insert_runs` both run `INSERT_RUNS`.
 
 | function | from | to |
 |---|---|---|
 | `insert_run` | no run of `(kind, key)` | run and its first stage's steps pending (None: key taken) |
+| `insert_runs` | no run of each `(kind, key)` | each as `insert_run`, in one statement |
 | `existing_run` | | the run a taken key names, with its input hash |
 | `lock_run` | | run row locked for the advance |
 | `open_in_stage` | | how many steps of the stage have not succeeded (0: advance) |
@@ -13,7 +15,7 @@ Each function runs the statement named like it in capitals (`insert_run`: `INSER
 | `claim_next` | run at stage n-1 | stage n's single step inserted running for this process |
 | `finish_run` | run live | succeeded, with its result (the one place a run succeeds in a transaction) |
 
-`INSERT_RUN` also records the run's parent (a child step's run) and its deadline: the earliest of
+`INSERT_RUNS` also records the run's parent (a child step's run) and its deadline: the earliest of
 `deadline_at`, the parent's deadline (a child inherits it) and `now() + deadline_s` of its kind,
 in the database's clock (`least` ignores the ones not given). `LOCK_RUN` says whether the
 deadline has passed: then no next stage is created and the run ends (`chain.expire_run`).
@@ -27,6 +29,7 @@ often its predecessor's commit is retried. Proofs: `tests/integration/test_engin
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -38,29 +41,43 @@ from proj.engine.store.rows import StepRef
 
 # The run and its first stage in one statement (the step arrays come from `chain.stage_rows`;
 # an empty first stage inserts the run alone). No row back: the key names an existing run.
-INSERT_RUN = text(
+# Runs and their first stages in one statement, one run (`chain.insert_run`) or a batch
+# (`chain.insert_runs`). A key taken already, or twice in one batch, inserts nothing for that run
+# (its row is missing from the result; the caller looks the key up).
+INSERT_RUNS = text(
     """
     WITH run AS (
         INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash,
                                      priority, concurrency_key, available_at, trace,
                                      current_stage, current_step, parent_run_id, deadline_at)
-        VALUES (:run, :kind, :version, :key, CAST(:input AS jsonb), :hash, :priority, :ckey,
-                coalesce(:at, now()), CAST(:trace AS jsonb), :stage, :label, :parent,
-                least(CAST(:deadline AS timestamptz), CAST(:inherited AS timestamptz),
-                      now() + make_interval(secs => CAST(:deadline_s AS double precision))))
+        SELECT r.id, r.kind, r.version, r.key, CAST(r.input AS jsonb), r.hash, r.priority, r.ckey,
+               coalesce(:at, now()), CAST(r.trace AS jsonb), 0, r.label, r.parent,
+               least(r.deadline, r.inherited, now() + make_interval(secs => r.deadline_s))
+          FROM unnest(CAST(:runs AS uuid[]), CAST(:kinds AS text[]), CAST(:versions AS int[]),
+                      CAST(:keys AS text[]), CAST(:inputs AS text[]), CAST(:hashes AS text[]),
+                      CAST(:priorities AS int[]), CAST(:ckeys AS text[]), CAST(:traces AS text[]),
+                      CAST(:labels AS text[]), CAST(:parents AS uuid[]),
+                      CAST(:deadlines AS timestamptz[]), CAST(:inheriteds AS timestamptz[]),
+                      CAST(:deadline_ss AS double precision[]))
+               WITH ORDINALITY AS r(id, kind, version, key, input, hash, priority, ckey, trace,
+                                    label, parent, deadline, inherited, deadline_s, ord)
+         ORDER BY r.ord
         ON CONFLICT (kind, idempotency_key) DO NOTHING
         RETURNING id
     ), ins AS (
         INSERT INTO engine.step (run_id, stage, name, item_index, item, max_attempts,
                                  next_attempt_at, published_at)
-        SELECT run.id, :stage, n.name, n.idx, CAST(n.item AS jsonb), n.max,
+        SELECT run.id, 0, n.name, n.idx, CAST(n.item AS jsonb), n.max,
                coalesce(:at, now()), CASE WHEN :due THEN now() END
-          FROM run, unnest(CAST(:names AS text[]), CAST(:idxs AS int[]), CAST(:items AS text[]),
-                           CAST(:maxs AS int[])) AS n(name, idx, item, max)
+          FROM unnest(CAST(:step_runs AS uuid[]), CAST(:names AS text[]), CAST(:idxs AS int[]),
+                      CAST(:items AS text[]), CAST(:maxs AS int[])) AS n(run, name, idx, item, max)
+          JOIN run ON run.id = n.run
         ON CONFLICT (run_id, stage, item_index) DO NOTHING
-        RETURNING id, name, item_index
+        RETURNING id, run_id, name, item_index
     )
-    SELECT run.id AS run_id, ins.id, ins.name FROM run LEFT JOIN ins ON true ORDER BY ins.item_index
+    SELECT run.id AS run_id, ins.id, ins.name
+      FROM run LEFT JOIN ins ON ins.run_id = run.id
+     ORDER BY run.id, ins.item_index
     """
 )
 
@@ -137,7 +154,7 @@ FINISH_RUN = text(
 
 
 class StageRows(NamedTuple):
-    """A stage's step rows as the array parameters of `INSERT_RUN`/`CREATE_STAGE`: one entry per
+    """A stage's step rows as the array parameters of `INSERT_RUNS`/`CREATE_STAGE`: one entry per
     static step, or one per item of a fan-out (none for an empty one)."""
 
     names: list[str]
@@ -250,32 +267,50 @@ class EndedRun(NamedTuple):
 def insert_run(s: Session, run: NewRun, first: StageRows, *, due: bool) -> list[StepRef] | None:
     """Insert the run and its first stage (published now if `due`); None: the key names a run
     already (nothing written). The steps come back in item order (none: an empty stage)."""
-    rows = s.execute(
-        INSERT_RUN,
-        {
-            "run": run.run_id,
-            "kind": run.kind,
-            "version": run.version,
-            "key": run.idempotency_key,
-            "input": run.input_json,
-            "hash": run.input_hash,
-            "priority": run.priority,
-            "ckey": run.concurrency_key,
-            "at": run.available_at,
-            "trace": run.trace_json,
-            "stage": 0,
-            "label": run.label,
-            **first._asdict(),
-            "due": due,
-            "parent": run.parent_run_id,
-            "deadline": run.deadline_at,
-            "inherited": run.inherited_deadline,
-            "deadline_s": run.deadline_s,
-        },
-    ).all()
-    if not rows:
-        return None
-    return [StepRef(r.id, r.name) for r in rows if r.id is not None]
+    return insert_runs(s, [run], [first], available_at=run.available_at, due=due).get(run.run_id)
+
+
+def insert_runs(
+    s: Session,
+    runs: Sequence[NewRun],
+    firsts: Sequence[StageRows],
+    *,
+    available_at: datetime | None,
+    due: bool,
+) -> dict[uuid.UUID, list[StepRef]]:
+    """Insert the runs and their first stages (published now if `due`) in one statement; the
+    runs inserted, each with its steps in item order (none: an empty stage). A run missing from
+    the result was not written: its key names a run already, or an earlier one in the batch."""
+    steps = [(run.run_id, first) for run, first in zip(runs, firsts, strict=True)]
+    params = {
+        "runs": [r.run_id for r in runs],
+        "kinds": [r.kind for r in runs],
+        "versions": [r.version for r in runs],
+        "keys": [r.idempotency_key for r in runs],
+        "inputs": [r.input_json for r in runs],
+        "hashes": [r.input_hash for r in runs],
+        "priorities": [r.priority for r in runs],
+        "ckeys": [r.concurrency_key for r in runs],
+        "traces": [r.trace_json for r in runs],
+        "labels": [r.label for r in runs],
+        "parents": [r.parent_run_id for r in runs],
+        "deadlines": [r.deadline_at for r in runs],
+        "inheriteds": [r.inherited_deadline for r in runs],
+        "deadline_ss": [r.deadline_s for r in runs],
+        "step_runs": [run_id for run_id, first in steps for _ in first.names],
+        "names": [n for _, first in steps for n in first.names],
+        "idxs": [i for _, first in steps for i in first.idxs],
+        "items": [i for _, first in steps for i in first.items],
+        "maxs": [m for _, first in steps for m in first.maxs],
+        "at": available_at,
+        "due": due,
+    }
+    out: dict[uuid.UUID, list[StepRef]] = {}
+    for r in s.execute(INSERT_RUNS, params):
+        got = out.setdefault(r.run_id, [])
+        if r.id is not None:
+            got.append(StepRef(r.id, r.name))
+    return out
 
 
 def existing_run(s: Session, kind: str, key: str) -> ExistingRun:
