@@ -446,6 +446,12 @@ def service_cpu(side: dict[str, Any]) -> float:
     return sum(side["cpu_ms_per_step"][g] for g in SERVICE_GROUPS)
 
 
+def target_ratio(inline_steps: int) -> float:
+    """Issue #17's targets: inline mode ≥ 1.9× plain Celery (goal 4), per-message mode
+    (`INLINE_STEPS=0`) ≥ 0.8× (goal 3)."""
+    return 1.9 if inline_steps > 0 else 0.8
+
+
 def print_table(report: dict[str, Any]) -> None:
     cfg, m = report["config"], report["machine"]
     print(
@@ -497,7 +503,9 @@ def print_table(report: dict[str, Any]) -> None:
             " over the measured rounds, the whole cluster's (plain writes nothing to Postgres)"
         )
     print()
-    print(f"ratio ours/plain = {report['ratio']:.2f} (target >= 0.70)")
+    target = target_ratio(report["config"]["inline_steps"])
+    verdict = "met" if report["ratio"] >= target else "NOT met"
+    print(f"ratio ours/plain = {report['ratio']:.2f} (target >= {target:.1f}: {verdict})")
     if "floor_ratio" in report:
         print(
             f"ratio floor/plain = {report['floor_ratio']:.2f}"
@@ -593,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
 
     median = summarise(rounds)
     from proj.celery import app
+    from proj.settings import get_settings
 
     report = {
         "config": {
@@ -606,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             "broker": args.broker,
             "db": args.db,
             "poll_s": POLL_S,
+            "inline_steps": get_settings().inline_steps,
         },
         "machine": machine(),
         "rounds": flat,
