@@ -84,6 +84,11 @@ def insert_run(
     return ref, out
 
 
+# Runs per `INSERT_RUNS` statement in a batch: a batch of any size is written in statements of
+# a bounded size (and memory), all in the caller's transaction.
+BATCH_ROWS = 1000
+
+
 def insert_runs(
     s: Session,
     kind_name: str,
@@ -117,7 +122,12 @@ def insert_runs(
         ]
         plans = [_plan(s, kind, item, run_id) for item, run_id in zip(prepared, run_ids, strict=True)]
         firsts = [stage_rows(kind, 0, plan) for plan in plans]
-        inserted = store.insert_runs(s, news, firsts, available_at=available_at, due=available_at is None)
+        inserted: dict[uuid.UUID, list[StepRef]] = {}
+        for at in range(0, len(news), BATCH_ROWS):  # statements of bounded size, one transaction
+            chunk = slice(at, at + BATCH_ROWS)
+            inserted |= store.insert_runs(
+                s, news[chunk], firsts[chunk], available_at=available_at, due=available_at is None
+            )
         refs: list[TaskRunRef] = []
         out: list[Dispatch] = []
         for new, plan, first, (span, _) in zip(news, plans, firsts, spans, strict=True):

@@ -130,3 +130,20 @@ def test_bad_options_are_refused_before_anything_is_written(engine, published) -
         engine.enqueue_many("probe", [(new_key(), {"n": 1})], priority=2**40)
     assert scalar("SELECT count(*) FROM engine.task_run") == 0 and published == []
     assert engine.enqueue_many("probe", []) == []
+
+
+def test_a_batch_larger_than_one_statement_is_still_one_transaction(engine, published, monkeypatch) -> None:
+    """`BATCH_ROWS` runs per statement: a key repeated across two statements still names one
+    run, and a conflict in the last statement undoes the first ones."""
+    from proj.engine import chain
+
+    monkeypatch.setattr(chain, "BATCH_ROWS", 3)
+    keys = [new_key() for _ in range(7)]
+    items = [(k, {"n": i}) for i, k in enumerate(keys)] + [(keys[1], {"n": 1})]
+    refs = engine.enqueue_many("probe", items)
+    assert [r.created for r in refs] == [True] * 7 + [False]
+    assert refs[7].task_run_id == refs[1].task_run_id
+    assert scalar("SELECT count(*) FROM engine.task_run") == 7 and len(published) == 7
+    with pytest.raises(IdempotencyConflict):
+        engine.enqueue_many("probe", [(new_key(), {"n": i}) for i in range(6)] + [(keys[0], {"n": 99})])
+    assert scalar("SELECT count(*) FROM engine.task_run") == 7 and len(published) == 7
