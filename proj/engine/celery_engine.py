@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -50,7 +50,7 @@ class CeleryTaskEngine:
     def enqueue_many(
         self,
         kind: str,
-        items: Sequence[tuple[str, Mapping[str, Any]]],
+        items: Iterable[tuple[str, Mapping[str, Any]]],
         *,
         available_at: datetime | None = None,
         priority: int = 0,

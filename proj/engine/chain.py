@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -92,7 +92,7 @@ BATCH_ROWS = 1000
 def insert_runs(
     s: Session,
     kind_name: str,
-    items: Sequence[tuple[str, Mapping[str, Any]]],
+    items: Iterable[tuple[str, Mapping[str, Any]]],
     *,
     available_at: datetime | None = None,
     priority: int = 0,
@@ -111,9 +111,10 @@ def insert_runs(
     """
     check_options(available_at, priority, deadline_at)
     kind = get_kind(kind_name, None)
-    if not all(isinstance(item, tuple) and len(item) == 2 for item in items):
+    pairs = list(items)  # a generator is read once
+    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
         raise InvalidInput("items must be (idempotency_key, input) pairs")
-    prepared = [_prepare(kind, input, key) for key, input in items]
+    prepared = [_prepare(kind, input, key) for key, input in pairs]
     run_ids = [uuid.uuid4() for _ in prepared]
     with tracing.enqueue_spans(kind.name, kind.version, run_ids, parent=trace) as spans:
         news = [

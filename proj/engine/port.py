@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -62,7 +62,7 @@ class TaskEngine(Protocol):
     def enqueue_many(
         self,
         kind: str,
-        items: Sequence[tuple[str, Mapping[str, Any]]],
+        items: Iterable[tuple[str, Mapping[str, Any]]],
         *,
         available_at: datetime | None = None,
         priority: int = 0,

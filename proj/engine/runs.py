@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -71,7 +71,7 @@ def enqueue(
 
 def enqueue_many(
     kind: str,
-    items: Sequence[tuple[str, Mapping[str, Any]]],
+    items: Iterable[tuple[str, Mapping[str, Any]]],
     *,
     available_at: datetime | None = None,
     priority: int = 0,

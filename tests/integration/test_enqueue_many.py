@@ -36,7 +36,7 @@ def shape(run_id: Any) -> tuple[Any, ...]:
 
 
 def test_each_run_of_a_batch_runs_every_step_once(inproc) -> None:
-    refs = inproc.enqueue_many("probe", [(new_key(), {"n": i}) for i in range(20)])
+    refs = inproc.enqueue_many("probe", ((new_key(), {"n": i}) for i in range(20)))  # a generator too
     assert len({r.task_run_id for r in refs}) == 20 and all(r.created for r in refs)
     for ref in refs:
         wait_for(lambda ref=ref: inproc.get(ref.task_run_id).status == "succeeded", 30, what="run done")
