@@ -73,13 +73,22 @@ def insert_run(
     item = _prepare(kind, input, idempotency_key)
     run_id = uuid.uuid4()
     with tracing.enqueue_span(kind.name, kind.version, run_id, parent=trace) as (span, carrier):
-        new = _new_run(kind, item, run_id, available_at, priority, carrier, deadline_at)
-        new = new._replace(parent_run_id=parent_run_id, inherited_deadline=inherited_deadline)
+        new = _new_run(
+            kind,
+            item,
+            run_id,
+            available_at,
+            priority,
+            carrier,
+            deadline_at,
+            parent_run_id=parent_run_id,
+            inherited_deadline=inherited_deadline,
+        )
         plan = _plan(s, kind, item, run_id)
         first = stage_rows(kind, 0, plan)
-        ref, out = _inserted(
-            s, kind, new, plan, first, store.insert_run(s, new, first, due=available_at is None)
-        )
+        steps = store.insert_run(s, new, first, due=available_at is None)
+        found = steps if steps is not None else store.existing_runs(s, kind.name, [item.key])[item.key]
+        ref, out = _inserted(s, kind, new, plan, first, found)
         _end_enqueue_span(span, ref)
     return ref, out
 
@@ -129,10 +138,14 @@ def insert_runs(
             inserted |= store.insert_runs(
                 s, news[chunk], firsts[chunk], available_at=available_at, due=available_at is None
             )
+        taken = [new.idempotency_key for new in news if new.run_id not in inserted]
+        existing = store.existing_runs(s, kind.name, taken)  # one lookup for every taken key
         refs: list[TaskRunRef] = []
         out: list[Dispatch] = []
         for new, plan, first, (span, _) in zip(news, plans, firsts, spans, strict=True):
-            ref, sent = _inserted(s, kind, new, plan, first, inserted.get(new.run_id))
+            steps = inserted.get(new.run_id)
+            found = steps if steps is not None else existing[new.idempotency_key]
+            ref, sent = _inserted(s, kind, new, plan, first, found)
             _end_enqueue_span(span, ref)
             refs.append(ref)
             out.extend(sent)
@@ -181,8 +194,11 @@ def _new_run(
     priority: int,
     trace: Mapping[str, Any] | None,
     deadline_at: datetime | None,
+    *,
+    parent_run_id: uuid.UUID | None = None,
+    inherited_deadline: datetime | None = None,
 ) -> store.NewRun:
-    """The run's row, without a parent (`insert_run` adds one)."""
+    """The run's row (a parent only for a child run: `insert_run`)."""
     return store.NewRun(
         run_id=run_id,
         kind=kind.name,
@@ -195,9 +211,9 @@ def _new_run(
         available_at=available_at,
         trace_json=json.dumps(dict(trace)) if trace else None,
         label=kind.canvas[0].label,
-        parent_run_id=None,
+        parent_run_id=parent_run_id,
         deadline_at=deadline_at,
-        inherited_deadline=None,
+        inherited_deadline=inherited_deadline,
         deadline_s=kind.deadline_s,
     )
 
@@ -208,15 +224,16 @@ def _inserted(
     new: store.NewRun,
     plan: PlanContext,
     first: store.StageRows,
-    steps: list[StepRef] | None,
+    found: list[StepRef] | store.ExistingRun,
 ) -> tuple[TaskRunRef, list[Dispatch]]:
-    """What the insert of `new` came to: its twin when the key named a run already (`steps`
-    None), else the new run and the messages of its first stage with steps."""
-    if steps is None:
-        existing = store.existing_run(s, kind.name, new.idempotency_key)
-        if existing.input_hash != new.input_hash:
-            raise IdempotencyConflict(kind.name, new.idempotency_key, existing.id)
-        return TaskRunRef(existing.id, created=False), []
+    """What the insert of `new` came to: the new run and the messages of its first stage with
+    steps (`found`: the steps inserted), or its twin when the key named a run already (`found`:
+    that run; `IdempotencyConflict` if its input differs)."""
+    if isinstance(found, store.ExistingRun):
+        if found.input_hash != new.input_hash:
+            raise IdempotencyConflict(kind.name, new.idempotency_key, found.id)
+        return TaskRunRef(found.id, created=False), []
+    steps = found
     ref = TaskRunRef(new.run_id, created=True)
     if first.names:
         out = stage_dispatches(kind, steps, new.priority) if new.available_at is None else []

@@ -80,9 +80,9 @@ def enqueue_many(
 ) -> list[TaskRunRef]:
     """`enqueue` for each `(idempotency_key, input)`, all in one transaction: all or none.
 
-    One statement writes the batch (`chain.insert_runs`): 200 runs take 15 ms instead of the
-    90 ms of 200 `insert_run` statements in one transaction; the first steps
-    are published after the commit, as `enqueue` does."""
+    One statement per 1,000 runs writes the batch (`chain.insert_runs`): 200 runs take 15 ms
+    instead of the 90 ms of 200 `insert_run` statements in one transaction. The first steps are
+    published after the commit, as `enqueue` does."""
     with db.transaction() as s:
         refs, out = insert_runs(
             s, kind, items, available_at=available_at, priority=priority, trace=trace, deadline_at=deadline_at

@@ -7,7 +7,7 @@ Each function runs the statement named like it in capitals (`insert_run`: `INSER
 |---|---|---|
 | `insert_run` | no run of `(kind, key)` | run and its first stage's steps pending (None: key taken) |
 | `insert_runs` | no run of each `(kind, key)` | each as `insert_run`, in one statement |
-| `existing_run` | | the run a taken key names, with its input hash |
+| `existing_runs` | | the runs that taken keys name, with their input hashes |
 | `lock_run` | | run row locked for the advance |
 | `open_in_stage` | | how many steps of the stage have not succeeded (0: advance) |
 | `create_stage` | run at stage n-1 | stage n's steps pending, the run pointed at n |
@@ -107,8 +107,11 @@ INSERT_RUNS = text(
     """
 )
 
-EXISTING_RUN = text(
-    "SELECT id, input_hash FROM engine.task_run WHERE kind = :kind AND idempotency_key = :key"
+EXISTING_RUNS = text(
+    """
+    SELECT idempotency_key, id, input_hash FROM engine.task_run
+     WHERE kind = :kind AND idempotency_key = ANY(CAST(:keys AS text[]))
+    """
 )
 
 LOCK_RUN = text(
@@ -364,10 +367,13 @@ def insert_runs(
     return out
 
 
-def existing_run(s: Session, kind: str, key: str) -> ExistingRun:
-    """The run `(kind, key)` names (the caller's insert found the key taken)."""
-    r = s.execute(EXISTING_RUN, {"kind": kind, "key": key}).one()
-    return ExistingRun(r.id, r.input_hash)
+def existing_runs(s: Session, kind: str, keys: Sequence[str]) -> dict[str, ExistingRun]:
+    """The runs that taken keys name (the caller's insert found them taken), by key, each with
+    its input hash: one lookup for a whole batch."""
+    if not keys:
+        return {}
+    rows = s.execute(EXISTING_RUNS, {"kind": kind, "keys": list(keys)})
+    return {r.idempotency_key: ExistingRun(r.id, r.input_hash) for r in rows}
 
 
 def lock_run(s: Session, run_id: uuid.UUID) -> LockedRun | None:
