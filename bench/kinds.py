@@ -8,10 +8,13 @@ beat), our steps on `noop5.v1`: both on the same Redis broker.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import redis
 from celery import shared_task
+from celery.signals import task_postrun, task_prerun
 from pydantic import BaseModel
 from sqlalchemy import text
 
@@ -19,6 +22,10 @@ from proj import db
 from proj.engine.context import StepContext
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.settings import get_settings
+
+# `bench.throughput --deliveries`: each prefork child appends, per task it runs, its start and end
+# (wall clock) to a file named by its pid in this directory.
+DELIVERY_LOG = "BENCH_DELIVERY_LOG"
 
 PLAIN_QUEUE = "engine"
 PLAIN_COUNTER = "bench:plain:done"
@@ -116,3 +123,28 @@ def floor_done(row: int) -> None:
     """The floor chain's fifth link; makes completion observable, as `plain.done`."""
     floor_step(row)
     counter().incr(FLOOR_COUNTER)
+
+
+def record_deliveries(directory: str) -> None:
+    """Log each task a worker process runs (`task_prerun` to `task_postrun`): the time a child
+    spends per delivery, and between deliveries, waiting for its main process to hand it the next
+    (`bench.throughput --deliveries`). One line per task, so both sides pay the same per delivery;
+    plain has five deliveries per chain where ours has one per run, so rates measured with it on
+    lean towards ours and are not the benchmark's figures."""
+    started: dict[str, float] = {}
+
+    @task_prerun.connect(weak=False)
+    def _began(task_id: str | None = None, **_: Any) -> None:
+        if task_id is not None:
+            started[task_id] = time.time()
+
+    @task_postrun.connect(weak=False)
+    def _ended(task_id: str | None = None, **_: Any) -> None:
+        began = started.pop(task_id or "", None)
+        if began is not None:
+            with open(os.path.join(directory, str(os.getpid())), "a") as f:
+                f.write(f"{began:.6f} {time.time():.6f}\n")
+
+
+if os.environ.get(DELIVERY_LOG):
+    record_deliveries(os.environ[DELIVERY_LOG])

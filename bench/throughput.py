@@ -15,6 +15,10 @@ with one producer; plain sends the N chains with one producer).
 `--floor` adds a third side, alternating with the two: plain chains whose every link also runs
 two one-row statements (`bench.kinds.floor_step`), the least an engine pays per message step if
 it claims each step before its body and commits it after (`bench/README.md`, session 9).
+
+`--deliveries` logs each task the prefork children run (`bench.kinds.record_deliveries`) and
+prints, per side, how long a child spends per delivery, how long it then waits for the next,
+and how busy the children were (`bench/README.md`, session 11).
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run a third side, 'floor': plain chains whose every link also runs the two one-row "
         "statements of bench.kinds.floor_step, the least any engine pays that claims each step before "
         "its body and commits it after",
+    )
+    p.add_argument(
+        "--deliveries",
+        action="store_true",
+        help="log every task the prefork children run and print the time per delivery, the wait "
+        "between deliveries and how busy the children were (the logging costs both sides per delivery)",
     )
     p.add_argument(
         "--profile-sides",
@@ -342,6 +352,7 @@ class Bench:
             "floor": (lambda: self.reset_floor(n), self.submit_floor, self.floor_done),
         }[side]
         reset()
+        wall0 = time.time()
         redis_run = self._redis_run_id()
         log_at = self.worker.log.stat().st_size
         cpu0 = self.cpu.snapshot()
@@ -369,7 +380,37 @@ class Bench:
                 raise SystemExit(f"{side}: only {got}/{n} done after {self.args.timeout}s")
             time.sleep(POLL_S)
         elapsed = time.perf_counter() - t0
-        return round_result(n, elapsed, t_sub, self.cpu.since(cpu0))
+        return {**round_result(n, elapsed, t_sub, self.cpu.since(cpu0)), "window": (wall0, time.time())}
+
+
+def read_deliveries(directory: Path) -> list[list[tuple[float, float]]]:
+    """Each child's deliveries (start, end), in order, from `bench.kinds.record_deliveries`' files."""
+    return [
+        sorted(tuple(map(float, line.split()[:2])) for line in path.read_text().splitlines() if line)  # type: ignore[misc]
+        for path in directory.iterdir()
+    ]
+
+
+def delivery_stats(
+    children: list[list[tuple[float, float]]], window: tuple[float, float], concurrency: int
+) -> dict[str, float]:
+    """Of the deliveries that began in `window`: how many, the median time a child spent in one,
+    the median wait of a child between the end of one and the start of its next (its main
+    process fetching and handing it the next message), and the share of the window the
+    `concurrency` children spent in deliveries."""
+    t0, t1 = window
+    spans: list[float] = []
+    gaps: list[float] = []
+    for rows in children:
+        mine = [(a, b) for a, b in rows if t0 <= a <= t1]
+        spans.extend(b - a for a, b in mine)
+        gaps.extend(nxt[0] - prev[1] for prev, nxt in zip(mine, mine[1:], strict=False))
+    return {
+        "deliveries": len(spans),
+        "ms_per_delivery": 1000 * statistics.median(spans) if spans else 0.0,
+        "ms_between": 1000 * statistics.median(gaps) if gaps else 0.0,
+        "children_busy_pct": 100 * sum(spans) / (concurrency * (t1 - t0)),
+    }
 
 
 def wal_syncs(pg: Any) -> int:
@@ -431,6 +472,10 @@ def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, An
     for side, rs in rounds.items():
         keys = ("steps_per_s", "runs_per_s", "seconds", "submit_s", "machine_busy_pct")
         out[side] = {k: statistics.median(r[k] for r in rs) for k in keys}
+        if "deliveries" in rs[0]:
+            out[side]["deliveries"] = {
+                k: statistics.median(r["deliveries"][k] for r in rs) for k in rs[0]["deliveries"]
+            }
         out[side]["cpu_ms_per_step"] = {
             g: statistics.median(r["cpu_ms_per_step"][g] for r in rs) for g in rs[0]["cpu_ms_per_step"]
         }
@@ -502,6 +547,17 @@ def print_table(report: dict[str, Any]) -> None:
             f"WAL flushes per step, ours = {report['wal_flushes_per_ours_step']:.2f} -- pg_stat_wal.wal_sync"
             " over the measured rounds, the whole cluster's (plain writes nothing to Postgres)"
         )
+    if "deliveries" in medians[0]:
+        print(f"{'prefork children (--deliveries, median)':<40}" + "".join(f"{side:>10}" for side in sides))
+        rows = (
+            ("deliveries per round", "deliveries", ".0f"),
+            ("ms in a delivery", "ms_per_delivery", ".2f"),
+            ("ms waiting for the next delivery", "ms_between", ".2f"),
+            ("children busy, % of the round", "children_busy_pct", ".0f"),
+        )
+        for label, key, fmt in rows:
+            print(f"  {label:<38}" + "".join(f"{md['deliveries'][key]:>10{fmt}}" for md in medians))
+        print("  (rates with --deliveries on pay a log line per delivery: read the shares, not the ratio)")
     print()
     target = target_ratio(report["config"]["inline_steps"])
     verdict = "met" if report["ratio"] >= target else "NOT met"
@@ -561,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     broker.set(LOCK_KEY, os.getpid(), ex=LOCK_TTL_S)
 
     log = Path(tempfile.mkdtemp(prefix="bench-")) / "worker.log"
+    deliveries = log.parent / "deliveries"
+    if args.deliveries:
+        from bench.kinds import DELIVERY_LOG
+
+        deliveries.mkdir()
+        env = {**env, DELIVERY_LOG: str(deliveries)}
     worker = Worker(args.concurrency, env, log)
     sides = ("plain", "ours", "floor") if args.floor else ("plain", "ours")
     rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -596,6 +658,11 @@ def main(argv: list[str] | None = None) -> int:
         if broker.get(LOCK_KEY) == str(os.getpid()).encode():
             broker.delete(LOCK_KEY)
     time.sleep(1.0)  # the worker's backends report their WAL statistics as they exit
+    if args.deliveries:
+        children = read_deliveries(deliveries)
+        for side_rounds in rounds.values():
+            for r in side_rounds:
+                r["deliveries"] = delivery_stats(children, r["window"], args.concurrency)
     # With --floor the floor's commits flush too, and pg_stat_wal is the whole cluster's.
     wal_per_step = None if args.floor else (wal_syncs(bench.pg) - wal0) / (args.rounds * args.runs * STEPS)
 
