@@ -562,6 +562,7 @@ def print_table(report: dict[str, Any]) -> None:
     target = target_ratio(report["config"]["inline_steps"])
     verdict = "met" if report["ratio"] >= target else "NOT met"
     print(f"ratio ours/plain = {report['ratio']:.2f} (target >= {target:.1f}: {verdict})")
+    print(f"  round by round, each against the plain round just before it: {_ratios(report['round_ratios'])}")
     if "floor_ratio" in report:
         print(
             f"ratio floor/plain = {report['floor_ratio']:.2f}"
@@ -569,6 +570,20 @@ def print_table(report: dict[str, Any]) -> None:
             " -- plain chains whose links also claim and commit one row each: the most that an engine"
             " with a claim and a commit per message step could reach here"
         )
+        print(f"  round by round: {_ratios(report['floor_round_ratios'])}")
+
+
+def round_ratios(rounds: dict[str, list[dict[str, Any]]], side: str) -> list[float]:
+    """`side`'s rate over plain's, round by round. Rounds alternate, so each pair ran minutes
+    apart at most: a machine whose speed drifts over an invocation (plain Celery's rate moved
+    by half between invocations on session 11's machine) moves both sides of a pair alike."""
+    return [r["steps_per_s"] / p["steps_per_s"] for p, r in zip(rounds["plain"], rounds[side], strict=True)]
+
+
+def _ratios(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values) + (
+        f" (median {statistics.median(values):.2f})" if len(values) > 1 else ""
+    )
 
 
 def start_profiler(pid: int, out: str, seconds: float) -> subprocess.Popen[bytes]:
@@ -688,12 +703,14 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": flat,
         "median": median,
         "ratio": median["ours"]["steps_per_s"] / median["plain"]["steps_per_s"],
+        "round_ratios": round_ratios(rounds, "ours"),
         "cpu_ratio": service_cpu(median["plain"]) / service_cpu(median["ours"]),
         "wal_flushes_per_ours_step": wal_per_step,
         "noisy": any(median[side]["cpu_ms_per_step"]["other"] > NOISY_OTHER_MS for side in median),
     }
     if args.floor:
         report["floor_ratio"] = median["floor"]["steps_per_s"] / median["plain"]["steps_per_s"]
+        report["floor_round_ratios"] = round_ratios(rounds, "floor")
         report["floor_cpu_ratio"] = service_cpu(median["plain"]) / service_cpu(median["floor"])
     print_report(report, args.json, print_table)
     return 0

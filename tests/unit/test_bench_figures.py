@@ -1,10 +1,11 @@
-"""`bench.throughput --deliveries`: what a child's delivery log says about the round (no services)."""
+"""`bench.throughput`'s figures from what a round recorded (no services): the ratio of each round
+to the plain round beside it, and what a child's delivery log (`--deliveries`) says."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.throughput import delivery_stats
+from bench.throughput import delivery_stats, round_ratios
 
 
 def test_deliveries_are_counted_timed_and_spaced_within_the_round_only() -> None:
@@ -24,3 +25,11 @@ def test_deliveries_are_counted_timed_and_spaced_within_the_round_only() -> None
 def test_a_round_without_deliveries_reports_zeros() -> None:
     stats = delivery_stats([[(1.0, 2.0)]], (5.0, 6.0), concurrency=2)
     assert stats == {"deliveries": 0, "ms_per_delivery": 0.0, "ms_between": 0.0, "children_busy_pct": 0.0}
+
+
+def test_each_round_is_compared_with_the_plain_round_beside_it() -> None:
+    rounds = {
+        "plain": [{"steps_per_s": 500.0}, {"steps_per_s": 800.0}],
+        "ours": [{"steps_per_s": 1000.0}, {"steps_per_s": 1200.0}],
+    }
+    assert round_ratios(rounds, "ours") == [2.0, 1.5]
