@@ -386,9 +386,13 @@ class Bench:
 def read_deliveries(directory: Path) -> list[list[tuple[float, float]]]:
     """Each child's deliveries (start, end), in order, from `bench.kinds.record_deliveries`' files."""
     return [
-        sorted(tuple(map(float, line.split()[:2])) for line in path.read_text().splitlines() if line)  # type: ignore[misc]
-        for path in directory.iterdir()
+        sorted(_span(line) for line in path.read_text().splitlines() if line) for path in directory.iterdir()
     ]
+
+
+def _span(line: str) -> tuple[float, float]:
+    began, ended = line.split()[:2]
+    return float(began), float(ended)
 
 
 def delivery_stats(
@@ -675,9 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(1.0)  # the worker's backends report their WAL statistics as they exit
     if args.deliveries:
         children = read_deliveries(deliveries)
-        for side_rounds in rounds.values():
-            for r in side_rounds:
-                r["deliveries"] = delivery_stats(children, r["window"], args.concurrency)
+        for r in [*flat, *(r for side_rounds in rounds.values() for r in side_rounds)]:
+            r["deliveries"] = delivery_stats(children, r["window"], args.concurrency)
     # With --floor the floor's commits flush too, and pg_stat_wal is the whole cluster's.
     wal_per_step = None if args.floor else (wal_syncs(bench.pg) - wal0) / (args.rounds * args.runs * STEPS)
 

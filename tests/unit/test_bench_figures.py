@@ -3,9 +3,11 @@ to the plain round beside it, and what a child's delivery log (`--deliveries`) s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.throughput import delivery_stats, round_ratios
+from bench.throughput import delivery_stats, read_deliveries, round_ratios
 
 
 def test_deliveries_are_counted_timed_and_spaced_within_the_round_only() -> None:
@@ -33,3 +35,9 @@ def test_each_round_is_compared_with_the_plain_round_beside_it() -> None:
         "ours": [{"steps_per_s": 1000.0}, {"steps_per_s": 1200.0}],
     }
     assert round_ratios(rounds, "ours") == [2.0, 1.5]
+
+
+def test_each_child_s_log_is_read_in_order(tmp_path: Path) -> None:
+    (tmp_path / "101").write_text("2.5 2.75\n1.0 1.5\n")
+    (tmp_path / "102").write_text("3.0 4.0\n")
+    assert sorted(read_deliveries(tmp_path)) == [[(1.0, 1.5), (2.5, 2.75)], [(3.0, 4.0)]]
