@@ -135,9 +135,7 @@ def insert_runs(
         inserted: dict[uuid.UUID, list[StepRef]] = {}
         for at in range(0, len(news), BATCH_ROWS):  # statements of bounded size, one transaction
             chunk = slice(at, at + BATCH_ROWS)
-            inserted |= store.insert_runs(
-                s, news[chunk], firsts[chunk], available_at=available_at, due=available_at is None
-            )
+            inserted |= store.insert_runs(s, news[chunk], firsts[chunk], due=available_at is None)
         taken = [new.idempotency_key for new in news if new.run_id not in inserted]
         existing = store.existing_runs(s, kind.name, taken)  # one lookup for every taken key
         refs: list[TaskRunRef] = []

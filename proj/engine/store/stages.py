@@ -77,24 +77,24 @@ INSERT_RUNS = text(
                                      priority, concurrency_key, available_at, trace,
                                      current_stage, current_step, parent_run_id, deadline_at)
         SELECT r.id, r.kind, r.version, r.key, CAST(r.input AS jsonb), r.hash, r.priority, r.ckey,
-               coalesce(:at, now()), CAST(r.trace AS jsonb), 0, r.label, r.parent,
+               coalesce(r.at, now()), CAST(r.trace AS jsonb), 0, r.label, r.parent,
                least(r.deadline, r.inherited, now() + make_interval(secs => r.deadline_s))
           FROM unnest(CAST(:runs AS uuid[]), CAST(:kinds AS text[]), CAST(:versions AS int[]),
                       CAST(:keys AS text[]), CAST(:inputs AS text[]), CAST(:hashes AS text[]),
-                      CAST(:priorities AS int[]), CAST(:ckeys AS text[]), CAST(:traces AS text[]),
-                      CAST(:labels AS text[]), CAST(:parents AS uuid[]),
+                      CAST(:priorities AS int[]), CAST(:ckeys AS text[]), CAST(:ats AS timestamptz[]),
+                      CAST(:traces AS text[]), CAST(:labels AS text[]), CAST(:parents AS uuid[]),
                       CAST(:deadlines AS timestamptz[]), CAST(:inheriteds AS timestamptz[]),
                       CAST(:deadline_ss AS double precision[]))
-               WITH ORDINALITY AS r(id, kind, version, key, input, hash, priority, ckey, trace,
+               WITH ORDINALITY AS r(id, kind, version, key, input, hash, priority, ckey, at, trace,
                                     label, parent, deadline, inherited, deadline_s, ord)
          ORDER BY r.ord
         ON CONFLICT (kind, idempotency_key) DO NOTHING
-        RETURNING id
+        RETURNING id, available_at
     ), ins AS (
         INSERT INTO engine.step (run_id, stage, name, item_index, item, max_attempts,
                                  next_attempt_at, published_at)
         SELECT run.id, 0, n.name, n.idx, CAST(n.item AS jsonb), n.max,
-               coalesce(:at, now()), CASE WHEN :due THEN now() END
+               run.available_at, CASE WHEN :due THEN now() END
           FROM unnest(CAST(:step_runs AS uuid[]), CAST(:names AS text[]), CAST(:idxs AS int[]),
                       CAST(:items AS text[]), CAST(:maxs AS int[])) AS n(run, name, idx, item, max)
           JOIN run ON run.id = n.run
@@ -325,12 +325,7 @@ def insert_run(s: Session, run: NewRun, first: StageRows, *, due: bool) -> list[
 
 
 def insert_runs(
-    s: Session,
-    runs: Sequence[NewRun],
-    firsts: Sequence[StageRows],
-    *,
-    available_at: datetime | None,
-    due: bool,
+    s: Session, runs: Sequence[NewRun], firsts: Sequence[StageRows], *, due: bool
 ) -> dict[uuid.UUID, list[StepRef]]:
     """Insert the runs and their first stages (published now if `due`) in one statement; the
     runs inserted, each with its steps in item order (none: an empty stage). A run missing from
@@ -345,6 +340,7 @@ def insert_runs(
         "hashes": [r.input_hash for r in runs],
         "priorities": [r.priority for r in runs],
         "ckeys": [r.concurrency_key for r in runs],
+        "ats": [r.available_at for r in runs],
         "traces": [r.trace_json for r in runs],
         "labels": [r.label for r in runs],
         "parents": [r.parent_run_id for r in runs],
@@ -356,7 +352,6 @@ def insert_runs(
         "idxs": [i for _, first in steps for i in first.idxs],
         "items": [i for _, first in steps for i in first.items],
         "maxs": [m for _, first in steps for m in first.maxs],
-        "at": available_at,
         "due": due,
     }
     out: dict[uuid.UUID, list[StepRef]] = {}
