@@ -26,6 +26,14 @@ connection is not counted. Wall time is sequential: one step at a time, round tr
 
     .venv/bin/python -m bench.step_cost                  # 2,000 runs of 5 steps per mode
     .venv/bin/python -m bench.step_cost --runs 500 --json
+    .venv/bin/python -m bench.step_cost --statements 5   # and the claim's and the commit's
+                                                         # Postgres CPU apart, 5 repeats
+
+`--statements R` adds the Postgres CPU of the claim and of the commit of a message step, each
+measured apart: a wave of the runs' second steps is claimed (`store.claims.claim`), then the
+same steps are committed (`store.commits.succeed_and_publish_next`), R times, and it prints the
+median and the spread of the repeats. Apart, a change to one statement shows above the noise
+of the whole ladder (session 12 measured migration 0012 this way).
 
 It recreates database `proj_bench_cost` (`--db`) and owns Redis db 14 (`--broker`).
 """
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -183,6 +192,42 @@ def inline_steps(pg: Any, n: int) -> Cost:
     return costs[0]
 
 
+def statements(pg: Any, n: int) -> tuple[float, float]:
+    """Postgres CPU ms per statement of a message step's claim and of its commit, measured
+    apart over the second steps of `n` runs (their first steps run through the ladder)."""
+    from proj import db
+    from proj.engine import protocol
+    from proj.engine.kind import get_kind
+    from proj.engine.store import claims, commits
+
+    use_inline_steps(0)
+    reset(pg)
+    for step_id in insert_runs(n):
+        protocol.execute(step_id, starts_run=True, limited=False)
+    ids = pending_steps(pg)
+    tokens = {step_id: uuid.uuid4() for step_id in ids}
+    claimed: dict[int, claims.ClaimedRow] = {}
+    pg0 = backend_cpu(pg)
+    for step_id in ids:
+        with db.autocommit() as conn:
+            row = claims.claim(conn, step_id=step_id, token=tokens[step_id], owner="bench", ttl=60.0)
+        assert row is not None, f"step {step_id} was not claimed"
+        claimed[step_id] = row
+    pg1 = backend_cpu(pg)
+    kind = get_kind("noop5", None)
+    for step_id, row in claimed.items():
+        following = kind.canvas[row.stage + 1]
+        sdef = following.steps[0]
+        nxt = commits.NextMessage(row.run_id, row.stage + 1, sdef.name, following.label, row.max_attempts)
+        with db.autocommit() as conn:
+            done = commits.succeed_and_publish_next(
+                conn, step_id=step_id, token=tokens[step_id], stage=row.stage, result="null", next_step=nxt
+            )
+        assert done is not None, f"step {step_id} was not committed"
+    pg2 = backend_cpu(pg)
+    return 1000 * (pg1 - pg0) / len(ids), 1000 * (pg2 - pg1) / len(ids)
+
+
 def floor(pg: Any, n: int) -> Cost:
     """Two one-row statements per step (`bench.kinds.floor_step`), as the ladder issues its two."""
     from bench.kinds import floor_reset, floor_step
@@ -200,6 +245,13 @@ def main() -> None:
     add_service_args(p, db="proj_bench_cost", broker="redis://127.0.0.1:6379/14")
     p.add_argument("--runs", type=int, default=2000, help="runs of 5 steps per mode")
     p.add_argument("--warmup", type=int, default=100, help="runs per mode before measuring")
+    p.add_argument(
+        "--statements",
+        type=int,
+        default=0,
+        metavar="R",
+        help="also the claim and the commit apart, R repeats",
+    )
     args = p.parse_args()
     args.concurrency = 1
     env = set_env(service_env(args, kinds="bench.kinds", sweep_s=None, INLINE_STEPS=0))
@@ -216,6 +268,7 @@ def main() -> None:
         ladder, publish = message_steps(pg, args.runs, meter)
         inline = inline_steps(pg, args.runs)
         base = floor(pg, args.runs * STEPS)
+        apart = [statements(pg, args.runs) for _ in range(args.statements)]
 
     rows = {
         "message step: claim + commit": ladder,
@@ -225,6 +278,11 @@ def main() -> None:
     }
     if args.json:
         figures = {name: asdict(cost) for name, cost in rows.items()}
+        if apart:
+            figures["statements apart"] = {
+                "claim_postgres_cpu": [c for c, _ in apart],
+                "commit_postgres_cpu": [m for _, m in apart],
+            }
         print(json.dumps({"machine": machine(env["DATABASE_URL"]), "runs": args.runs, **figures}))
         return
     print(f"{args.runs} runs x {STEPS} no-op steps per mode, one process, no Celery worker")
@@ -241,6 +299,11 @@ def main() -> None:
         f"client +{ladder.client_cpu - base.client_cpu:.3f} ms, "
         f"Postgres +{ladder.postgres_cpu - base.postgres_cpu:.3f} ms"
     )
+    if apart:
+        print()
+        print(f"a message step's statements apart, Postgres CPU ms, {len(apart)} repeats: median (min-max)")
+        for name, values in (("claim", [c for c, _ in apart]), ("commit", [m for _, m in apart])):
+            print(f"  {name:8s} {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
 
 
 if __name__ == "__main__":

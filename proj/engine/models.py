@@ -22,7 +22,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import DOMAIN, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from proj.engine.status import RunStatus, StepStatus
@@ -31,6 +31,17 @@ SCHEMA = "engine"
 
 RUN_STATUSES = tuple(RunStatus)
 STEP_STATUSES = tuple(StepStatus)
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return "VALUE IN (" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+# Statuses are domains, not table CHECK constraints: Postgres parses a table's checks again in
+# every statement that writes the table, a domain's once per backend (migration 0012).
+RUN_STATUS = DOMAIN("run_status", Text, check=_one_of(RUN_STATUSES), schema=SCHEMA, create_type=False)
+STEP_STATUS = DOMAIN("step_status", Text, check=_one_of(STEP_STATUSES), schema=SCHEMA, create_type=False)
+BLOCKED_ON = DOMAIN("blocked_on", Text, check=_one_of(("global", "key")), schema=SCHEMA, create_type=False)
 
 
 class Base(DeclarativeBase):
@@ -107,7 +118,7 @@ class TaskRun(Base):
     idempotency_key: Mapped[str] = mapped_column(Text)
     input: Mapped[dict[str, Any]] = mapped_column(JSONB)
     input_hash: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    status: Mapped[str] = mapped_column(RUN_STATUS, server_default="pending")
     current_stage: Mapped[int] = mapped_column(Integer, server_default="0")
     current_step: Mapped[str | None] = mapped_column(Text)
     result: Mapped[Any | None] = mapped_column(JSONB)
@@ -156,7 +167,7 @@ class Step(Base):
     name: Mapped[str] = mapped_column(Text)
     item_index: Mapped[int] = mapped_column(Integer, server_default="0")
     item: Mapped[Any | None] = mapped_column(JSONB)
-    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    status: Mapped[str] = mapped_column(STEP_STATUS, server_default="pending")
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     max_attempts: Mapped[int] = mapped_column(Integer)
     next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
@@ -180,7 +191,7 @@ class Step(Base):
     # concurrency limits (0003): why a claim found no free slot, which limit, and when
     blocked_reason: Mapped[str | None] = mapped_column(Text)
     blocked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    blocked_on: Mapped[str | None] = mapped_column(Text)
+    blocked_on: Mapped[str | None] = mapped_column(BLOCKED_ON)
 
 
 class StepAttempt(Base):

@@ -1,5 +1,5 @@
-"""Run and step statuses, defined once (the migrations' CHECK constraints hold the same values:
-`tests/integration/test_engine_schema.py`)."""
+"""Run and step statuses, defined once (the database's status domains, migration 0012, hold the
+same values: `tests/integration/test_engine_schema.py`)."""
 
 from __future__ import annotations
 
