@@ -125,6 +125,12 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random, fault: str =
     if victim is None:
         raise SystemExit(f"no worker has child {pid}")
     time.sleep(rng.uniform(0.2, 1.2))
+    # The lease as it stands at the fault, read just before it: read after, it could already be
+    # gone (the liveness reaper ends a dead owner's lease within a few hundred ms).
+    lease_until = pg.execute(
+        "SELECT extract(epoch FROM lease_until) FROM engine.step WHERE run_id = %s AND name = 'hold'",
+        (run_id,),
+    ).fetchone()[0]
     killed_at = time.time()
     if fault == "kill":
         victim.kill9()
@@ -132,10 +138,6 @@ def one_round(pg: Any, workers: dict[str, Any], rng: random.Random, fault: str =
         os.kill(pid, signal.SIGKILL)
     else:
         victim.signal(signal.SIGSTOP)
-    lease_until = pg.execute(
-        "SELECT extract(epoch FROM lease_until) FROM engine.step WHERE run_id = %s AND name = 'hold'",
-        (run_id,),
-    ).fetchone()[0]
 
     def second() -> Any:
         return pg.execute(
@@ -239,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 rounds.append(r)
                 if not args.json:
                     print(
-                        f"round {i + 1:>2}: {fault} {r['victim']}, lease left {r['lease_left_s']:.2f}s, "
+                        f"round {i + 1:>2}: {fault} {r['victim']}, "
+                        f"lease left {r['lease_left_s'] or float('nan'):.2f}s, "
                         f"re-sent after {r['resent_s'] or float('nan'):.2f}s, "
                         f"re-claimed on {r['rescuer']} after {r['reclaimed_s']:.2f}s, body after "
                         f"{r['body_s']:.2f}s (killed at {clock(r['killed_at'])})",
