@@ -13,6 +13,7 @@ import pytest
 from proj.engine import models
 from proj.engine.status import RunStatus, StepStatus
 from tests.integration.test_ledger import schema_diff
+from tests.support.schema import BAD_STATUS_WRITES, hot_table_checks
 from tests.support.services import pg_url, sql
 
 
@@ -53,19 +54,13 @@ def test_status_domains_in_the_database_are_the_enums() -> None:
 def test_the_hot_tables_keep_no_check_constraint() -> None:
     """Why the domains: a table CHECK is parsed again by every statement that writes the table
     (migration 0012). One added back to `step` or `task_run` would cost every claim and commit."""
-    checks = sql(
-        "SELECT conrelid::regclass::text, conname FROM pg_constraint WHERE contype = 'c' "
-        "AND conrelid IN ('engine.task_run'::regclass, 'engine.step'::regclass)"
-    )
-    assert checks == []
+    assert hot_table_checks(pg_url()) == []
 
 
 @pytest.mark.parametrize(
     "statement",
     [
-        "UPDATE engine.task_run SET status = 'bogus' WHERE id = %(run)s",
-        "UPDATE engine.step SET status = 'bogus' WHERE run_id = %(run)s",
-        "UPDATE engine.step SET blocked_on = 'bogus' WHERE run_id = %(run)s",
+        *BAD_STATUS_WRITES,
         "INSERT INTO engine.step (run_id, stage, name, item_index, max_attempts, status) "
         "VALUES (%(run)s, 1, 'x', 0, 1, 'bogus')",
     ],
