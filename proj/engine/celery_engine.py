@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,6 +12,8 @@ from uuid import UUID
 
 from proj.engine import broker, runs
 from proj.engine.port import TaskRunRef, TaskRunView
+
+log = logging.getLogger(__name__)
 
 
 class CeleryTaskEngine:
@@ -125,7 +128,8 @@ class CeleryTaskEngine:
         while not self._stopping.is_set():
             try:
                 sweep()
-            except Exception:  # keep sweeping; the next tick retries
+            except Exception:  # keep sweeping; the next tick retries, but say so every time
+                log.exception("sweep failed; retrying in 1 s")
                 time.sleep(1)
             if dispatch_outbox:
                 # The post-commit nudge (an `outbox.dispatch` message this process' worker
@@ -136,7 +140,8 @@ class CeleryTaskEngine:
                     from outbox.celery import TASK_NAME
 
                     self._app.tasks[TASK_NAME]()
-                except Exception:  # the next tick retries; failures are recorded on the rows
+                except Exception:  # the next tick retries; say so (a row's own failure is on it)
+                    log.exception("outbox dispatch failed; retrying in 1 s")
                     time.sleep(1)
             self._stopping.wait(get_settings().sweep_interval_s)
 

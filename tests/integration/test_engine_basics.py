@@ -82,3 +82,28 @@ def test_bad_input_writes_nothing(engine) -> None:
     with pytest.raises(InvalidInput):
         engine.enqueue("probe", {"n": "not a number"}, idempotency_key=new_key())
     assert scalar("SELECT count(*) FROM engine.task_run") == 0
+
+
+def test_the_embedded_beat_logs_a_failing_sweep_and_keeps_sweeping(monkeypatch, caplog) -> None:
+    """The embedded engine's beat thread (`CeleryTaskEngine.start(roles={"beat"})`) must not
+    stop recovering after an error, nor hide it: each failed sweep is logged and retried."""
+    import logging
+
+    from proj.engine import sweeper
+    from proj.engine.celery_engine import CeleryTaskEngine
+
+    engine = CeleryTaskEngine()
+    calls: list[int] = []
+
+    def broken_sweep() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            engine._stopping.set()
+        raise RuntimeError("sweep broke on purpose")
+
+    monkeypatch.setattr(sweeper, "sweep", broken_sweep)
+    with caplog.at_level(logging.ERROR, logger="proj.engine.celery_engine"):
+        engine._beat_loop()
+    assert len(calls) == 2, "the loop went on after the first failure"
+    failures = [r for r in caplog.records if r.getMessage().startswith("sweep failed")]
+    assert len(failures) == 2 and "sweep broke on purpose" in caplog.text
