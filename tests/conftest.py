@@ -114,7 +114,9 @@ def inproc(engine):
 @pytest.fixture
 def published(monkeypatch):
     """Messages the engine would send, recorded instead of sent (tests that call
-    `protocol.execute` themselves and see which steps travelled as messages)."""
+    `protocol.execute` themselves and see which steps travelled as messages). A recorder, not a
+    broker stand-in: the publish path itself runs on the real broker in every test that starts a
+    worker (`procs`, `inproc`), and the RabbitMQ matrix runs the core ones again there."""
     from proj.engine import dispatch
 
     sent: list[dispatch.Dispatch] = []

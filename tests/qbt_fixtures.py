@@ -12,7 +12,6 @@ import hashlib
 import os
 import shutil
 import signal
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +68,15 @@ class QbtPayload:
 
 
 def _pgrep_qbittorrent() -> set[int]:
-    if shutil.which("pgrep") is None:
-        return set()
-    out = subprocess.run(["pgrep", "-x", "qbittorrent-nox"], capture_output=True, text=True)
-    return {int(tok) for tok in out.stdout.split()}
+    """Pids of running qbittorrent-nox processes, read from /proc (no tool that may be missing)."""
+    pids = set()
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == "qbittorrent-nox":  # comm keeps 15 characters: it fits
+                pids.add(int(comm.parent.name))
+        except OSError:  # the process ended meanwhile
+            continue
+    return pids
 
 
 @pytest.fixture(scope="session")

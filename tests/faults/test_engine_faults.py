@@ -192,21 +192,14 @@ def _killed_and_restarted(procs, rds: PrivateRedis) -> None:
     )
     done = sql("SELECT name, count(*) FROM engine.step WHERE status = 'succeeded' GROUP BY name")
     assert sorted(done) == [(f"s{i}", 20) for i in range(1, 6)]
-    # Completed steps never re-run: executions beyond one per step only for interrupted ones.
-    extra = sql(
-        "SELECT e.run_id, e.step, count(*) FROM testkit.execution e GROUP BY 1, 2 HAVING count(*) > 1"
+    # Completed steps never re-run (invariant 1): no body started after its step committed. (A
+    # body may run twice here: its commit can die with its connection, which is no completion.)
+    rerun = sql(
+        "SELECT e.run_id, e.step, e.started_at, s.finished_at FROM testkit.execution e "
+        "JOIN engine.step s ON s.run_id = e.run_id AND s.name = e.step "
+        "WHERE s.status = 'succeeded' AND e.started_at > s.finished_at"
     )
-    for run_id, step, _n in extra:
-        unfinished = scalar(
-            "SELECT count(*) FROM testkit.execution WHERE run_id = %s AND step = %s AND ended_at IS NULL",
-            (run_id, step),
-        )
-        attempts = scalar(
-            "SELECT count(*) FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
-            "WHERE s.run_id = %s AND s.name = %s",
-            (run_id, step),
-        )
-        assert unfinished >= 1 or attempts > 1, f"{step} of {run_id} re-ran after completing"
+    assert rerun == [], f"completed steps ran again: {rerun}"
     assert {r.task_run_id for r in refs} == {row[0] for row in sql("SELECT id FROM engine.task_run")}
 
 
@@ -216,7 +209,15 @@ def test_finish_commits_business_writes_and_the_result_together(procs) -> None:
     procs.worker("victim", concurrency=1)
     ref = runs.enqueue("finisher", {"hold_in_finish_s": 30}, idempotency_key=new_key())
     wait_for(lambda: _executions(ref.task_run_id, "write"), 30, what="the write step to start")
-    time.sleep(0.5)  # inside the finish block, the insert done but not committed
+    # Inside the finish block: the insert sent, its transaction open and not committed.
+    wait_for(
+        lambda: scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+            "AND query LIKE 'INSERT INTO testkit.effect%%'"
+        ),
+        30,
+        what="the finish block's insert, uncommitted",
+    )
     assert scalar("SELECT count(*) FROM testkit.effect") == 0
     procs.kill("victim")
     procs.worker("rescuer", concurrency=1)

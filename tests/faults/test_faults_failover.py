@@ -95,9 +95,14 @@ def test_sync_replication_failover_loses_nothing(
 ) -> None:
     with _pair(sync=True) as (primary, replica, url):
         _start(procs, url)
+        # Commits the old primary acknowledged before the faults (the runs below hold every
+        # worker process mid-step, so nothing else may have committed by then).
+        before = [runs.enqueue("probe", {"n": 100 + i}, idempotency_key=new_key()) for i in range(4)]
+        wait_for(lambda: _finished(before), 60, what="runs committed before the failover")
         refs, inputs = _mid_step(tmp_path, receiver)
         done = "SELECT array_agg(id) FROM engine.step WHERE status = 'succeeded'"
-        committed = _one(primary.url, done) or []
+        committed = _one(primary.url, done)
+        assert committed, "no step had committed before the failover: nothing would be checked"
         _fail_over(primary, replica)
         assert _one(replica.url, "SELECT pg_is_in_recovery()") is False
         # Every commit the old primary acknowledged is on the new one.

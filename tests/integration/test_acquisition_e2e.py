@@ -49,7 +49,8 @@ def test_request_to_library_to_webhook(procs, swarm: Swarm, webhook: Receiver) -
         30,
         what="acquire to park on the approval",
     )
-    assert qbt.find  # nothing is added before approval:
+    # Nothing is added before approval: qBittorrent holds no torrent, the ledger no operation.
+    assert swarm.managed.client().torrents_info() == []
     assert scalar("SELECT count(*) FROM ledger.asset_operation") == 0
 
     service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "operator")

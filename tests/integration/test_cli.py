@@ -77,10 +77,6 @@ def test_doctor_fails_an_impossible_connection_budget() -> None:
 
 
 def test_outbox_counts_and_oldest_pending() -> None:
-    if not scalar("SELECT to_regclass('outbox.outbox_event') IS NOT NULL"):
-        code, out = proj("outbox")
-        assert code == 0 and "no outbox table" in out
-        pytest.skip("outbox table not migrated in this checkout")
     sql(
         "INSERT INTO outbox.outbox_event (kind, idempotency_key, payload, status, attempts, last_error) "
         "VALUES ('notify', 'first', '{}', 'pending', 1, NULL), ('notify', 'second', '{}', 'pending', 0, "

