@@ -6,9 +6,9 @@ whichever door it came through.
 
 Auth: bearer tokens from the environment, separate from the admin's Basic auth. `API_TOKEN`
 opens the request endpoints, `HOOK_TOKEN` opens the hook only. A missing or wrong token is a
-401 JSON answer, checked before the body is read, so nothing is written
-(`tests/integration/test_front_door.py::test_api_auth`). An unset token disables its endpoints (401 that
-says so).
+401 JSON answer, checked before the body is read (`BearerGate`), so nothing is written
+(`tests/integration/test_front_door.py::test_api_auth_missing_or_wrong_token_is_401_json_and_writes_nothing`).
+An unset token disables its endpoints (401 that says so).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, File, Form, Header, HTTPException, Query, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, SecretStr
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proj import db
 from proj.acquisition import service, torrents
@@ -28,6 +30,9 @@ from proj.engine.errors import BadInput, BadTopic
 from proj.engine.port import TaskEngine
 from proj.settings import Settings
 
+API_PREFIX = "/api/"
+HOOKS_PREFIX = "/api/hooks/"
+OPENAPI_PATH = "/api/openapi.json"
 INFOHASH = re.compile(r"^(?:[0-9a-fA-F]{40}|[0-9a-fA-F]{64})$")
 # Multipart framing and the small text fields on top of the torrent itself.
 FORM_OVERHEAD = 64 * 1024
@@ -120,21 +125,56 @@ def error(status: int, exc: BaseException | str, kind: str | None = None) -> JSO
     return JSONResponse({"detail": detail, "error": name}, status_code=status)
 
 
+def token_refusal(token: SecretStr | None, name: str, authorization: str | None) -> str | None:
+    """Why a request with this `Authorization` header is refused, or None: it must be exactly
+    `Bearer <token>` (compared in constant time), and an unset token refuses everything."""
+    expected = token.get_secret_value() if token else ""
+    if not expected:
+        return f"{name} is not set on the server: this endpoint is disabled"
+    scheme, _, value = (authorization or "").partition(" ")
+    sent = value.strip().encode()
+    if scheme.lower() != "bearer" or not secrets.compare_digest(sent, expected.encode()):
+        return f"missing or wrong bearer token ({name})"
+    return None
+
+
 def bearer_check(token: SecretStr | None, name: str) -> Any:
-    """A dependency that accepts exactly `Authorization: Bearer <token>` (constant time)."""
+    """The route's dependency: the same check as `BearerGate`, and the schema's security."""
 
     def check(authorization: Annotated[str | None, Header()] = None) -> None:
-        expected = token.get_secret_value() if token else ""
-        if not expected:
-            raise HTTPException(
-                401, f"{name} is not set on the server: this endpoint is disabled", _challenge()
-            )
-        scheme, _, value = (authorization or "").partition(" ")
-        sent = value.strip().encode()
-        if scheme.lower() != "bearer" or not secrets.compare_digest(sent, expected.encode()):
-            raise HTTPException(401, f"missing or wrong bearer token ({name})", _challenge())
+        why = token_refusal(token, name, authorization)
+        if why is not None:
+            raise HTTPException(401, why, _challenge())
 
     return check
+
+
+class BearerGate:
+    """Refuses an `/api` request without its bearer token before anything reads the body.
+
+    Why: FastAPI reads and parses a request's body (a multipart upload too) before it runs the
+    route's dependencies, so with them alone an anonymous client could make the server parse
+    its upload, and a malformed body got 422 instead of 401. The hook's paths take
+    `HOOK_TOKEN`, every other `/api` path `API_TOKEN`; the schema stays open
+    (`tests/integration/test_front_door.py::test_api_auth_is_checked_before_the_body_is_read`).
+    """
+
+    def __init__(self, app: ASGIApp, api_token: SecretStr | None, hook_token: SecretStr | None) -> None:
+        self.app = app
+        self.api_token = api_token
+        self.hook_token = hook_token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith(API_PREFIX) and path != OPENAPI_PATH:
+            hook = path.startswith(HOOKS_PREFIX)
+            token, name = (self.hook_token, "HOOK_TOKEN") if hook else (self.api_token, "API_TOKEN")
+            why = token_refusal(token, name, Headers(scope=scope).get("authorization"))
+            if why is not None:
+                answer = JSONResponse({"detail": why}, status_code=401, headers=_challenge())
+                await answer(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _challenge() -> dict[str, str]:

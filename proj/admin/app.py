@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from proj import db
 from proj.acquisition import service
 from proj.admin import overview, queries
-from proj.admin.api import api_router, too_large
+from proj.admin.api import BearerGate, api_router, too_large
 from proj.admin.metrics import MetricsUnavailable, Source, metrics_router
 from proj.admin.timeline import short_json
 from proj.engine.errors import BadInput
@@ -210,6 +210,9 @@ def create_app(
         same_site="strict",
         https_only=False,
     )
+    # Outermost first: security headers and the upload size (by Content-Length, no body read),
+    # then the API's bearer token, then the admin's session.
+    app.add_middleware(BearerGate, api_token=settings.api_token, hook_token=settings.hook_token)
     app.add_middleware(SecurityHeaders, max_upload=settings.max_torrent_bytes)
     app.state.auth = auth
     app.include_router(api_router(settings, engine))

@@ -124,6 +124,36 @@ def test_api_auth_missing_or_wrong_token_is_401_json_and_writes_nothing(app_sett
     assert written() == before
 
 
+def test_api_auth_is_checked_before_the_body_is_read(app_settings) -> None:
+    """Without its token an /api request is refused before its body is parsed: a malformed JSON
+    body or multipart upload gets the 401, not the parser's 422 or 400 (FastAPI parses bodies
+    before it runs a route's dependencies; `proj.admin.api.BearerGate` answers first)."""
+    before = written()
+    tid = str(uuid.uuid4())
+    with TestClient(create_app(app_settings)) as c:
+        bodies = [
+            (f"/api/requests/{tid}/reject", "application/json", b'{"reason": '),
+            ("/api/requests", "multipart/form-data; boundary=zz", b"--zz\r\nnot a part"),
+            ("/api/hooks/qbittorrent?hash=" + INFOHASH, "application/json", b"{"),
+        ]
+        for path, ctype, body in bodies:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = c.post(path, content=body, headers={"Content-Type": ctype, **headers})
+                assert r.status_code == 401, (path, headers, r.status_code, r.text)
+                assert "bearer token" in r.json()["detail"]
+                assert r.headers["www-authenticate"].startswith("Bearer")
+                assert r.headers["x-content-type-options"] == "nosniff"  # inside the security headers
+        # With the token, the same malformed bodies reach the parser.
+        r = c.post(
+            f"/api/requests/{tid}/reject",
+            content=b'{"reason": ',
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_TOKEN}"},
+        )
+        assert r.status_code == 422, r.text
+        assert c.get("/api/openapi.json").status_code == 200  # the schema stays open
+    assert written() == before
+
+
 def test_an_unset_token_disables_its_endpoints(app_settings, torrent_bytes) -> None:
     settings = app_settings.model_copy(update={"api_token": None, "hook_token": None})
     with TestClient(create_app(settings)) as c:
