@@ -54,6 +54,28 @@ def _uuid(value: Any) -> uuid.UUID | None:
         return None
 
 
+# A task's business events, or with `:rel` only those about that file (and the request itself).
+TASK_EVENTS = text(
+    """
+    SELECT what, detail, at FROM acq.task_event
+     WHERE download_task_id = :id
+       AND (CAST(:rel AS text) IS NULL OR detail->>'rel_path' = :rel OR what = 'requested')
+     ORDER BY id
+    """
+)
+# Flags naming the task (a missing torrent) or one of its library items (a corrupt file), or with
+# `:rel` that file's item only.
+TASK_FLAGS = text(
+    """
+    SELECT f.kind, f.subject, f.detail, f.at FROM acq.flag f
+     WHERE f.subject = :tid
+        OR f.subject IN (SELECT id::text FROM acq.library_item
+                          WHERE download_task_id = :id AND (CAST(:rel AS text) IS NULL OR rel_path = :rel))
+     ORDER BY f.id
+    """
+)
+
+
 def _task_events(s: Session, task_id: uuid.UUID, rel_path: str | None = None) -> list[TimelineEvent]:
     """The task's business events (only those about `rel_path`, if given), flags and status."""
     task = s.execute(
@@ -61,13 +83,7 @@ def _task_events(s: Session, task_id: uuid.UUID, rel_path: str | None = None) ->
     ).first()
     if task is None:
         return [TimelineEvent(None, f"no download task {task_id}", source=SOURCE, state="warn")]
-    where = "download_task_id = :id"
-    if rel_path is not None:
-        where += " AND (detail->>'rel_path' = :rel OR what = 'requested')"
-    rows = s.execute(
-        text(f"SELECT what, detail, at FROM acq.task_event WHERE {where} ORDER BY id"),
-        {"id": task_id, "rel": rel_path},
-    ).all()
+    rows = s.execute(TASK_EVENTS, {"id": task_id, "rel": rel_path}).all()
     events = [
         TimelineEvent(
             r.at,
@@ -79,16 +95,7 @@ def _task_events(s: Session, task_id: uuid.UUID, rel_path: str | None = None) ->
         )
         for r in rows
     ]
-    # Flags name the task (missing torrent) or one of its library items (corrupt file).
-    flags = s.execute(
-        text(
-            "SELECT f.kind, f.subject, f.detail, f.at FROM acq.flag f WHERE f.subject = :tid "
-            "OR f.subject IN (SELECT id::text FROM acq.library_item WHERE download_task_id = :id"
-            + (" AND rel_path = :rel" if rel_path is not None else "")
-            + ") ORDER BY f.id"
-        ),
-        {"tid": str(task_id), "id": task_id, "rel": rel_path},
-    ).all()
+    flags = s.execute(TASK_FLAGS, {"tid": str(task_id), "id": task_id, "rel": rel_path}).all()
     events += [
         TimelineEvent(f.at, f"flagged: {f.kind}", short_json(f.detail), source=SOURCE, state="error")
         for f in flags

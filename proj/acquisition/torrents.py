@@ -104,11 +104,6 @@ def library_rel(meta: TorrentMeta, f: TorrentFile) -> str:
     return meta.name if len(meta.files) == 1 and f.rel_path == meta.name else f"{meta.name}/{f.rel_path}"
 
 
-def content_root(meta: TorrentMeta, save_path: Path) -> Path:
-    """Where qBittorrent keeps the payload: `save_path/name` (a folder for multi-file)."""
-    return save_path / meta.name
-
-
 def source_path(meta: TorrentMeta, save_path: Path, f: TorrentFile) -> Path:
     if len(meta.files) == 1 and f.rel_path == meta.name:
         return save_path / meta.name

@@ -256,25 +256,34 @@ class OutboxSummary:
     dead: list[Any] = field(default_factory=list)
 
 
+OUTBOX_COUNTS = text("SELECT status, count(*) FROM outbox.outbox_event GROUP BY status")
+OUTBOX_PENDING = text(
+    """
+    SELECT id, kind, idempotency_key, payload, status, attempts, next_attempt_at, last_error,
+           now() - next_attempt_at AS overdue
+      FROM outbox.outbox_event
+     WHERE status = 'pending'
+     ORDER BY id
+     LIMIT :limit
+    """
+)
+OUTBOX_DEAD = text(
+    """
+    SELECT id, kind, idempotency_key, payload, status, attempts, next_attempt_at, last_error
+      FROM outbox.outbox_event
+     WHERE status = 'dead'
+     ORDER BY id DESC
+     LIMIT :limit
+    """
+)
+
+
 def outbox_summary(s: Session, limit: int = PAGE) -> OutboxSummary:
     if not table_exists(s, OUTBOX):
         return OutboxSummary(present=False)
-    counts = {
-        r[0]: int(r[1])
-        for r in s.execute(text(f"SELECT status, count(*) FROM {OUTBOX} GROUP BY status")).all()
-    }
-    cols = "id, kind, idempotency_key, payload, status, attempts, next_attempt_at, last_error"
-    pending = s.execute(
-        text(
-            f"SELECT {cols}, now() - next_attempt_at AS overdue FROM {OUTBOX} "
-            "WHERE status = 'pending' ORDER BY id LIMIT :limit"
-        ),
-        {"limit": limit},
-    ).all()
-    dead = s.execute(
-        text(f"SELECT {cols} FROM {OUTBOX} WHERE status = 'dead' ORDER BY id DESC LIMIT :limit"),
-        {"limit": limit},
-    ).all()
+    counts = {r[0]: int(r[1]) for r in s.execute(OUTBOX_COUNTS).all()}
+    pending = s.execute(OUTBOX_PENDING, {"limit": limit}).all()
+    dead = s.execute(OUTBOX_DEAD, {"limit": limit}).all()
     return OutboxSummary(
         present=True,
         counts=counts,

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
 import outbox
 from proj import db
@@ -21,6 +22,22 @@ def item_path(item: LibraryItem) -> Path:
     return library_path(item.download_task_id, item.rel_path, Path(item.root))
 
 
+def mark_corrupt(s: Session, item: LibraryItem) -> bool:
+    """`ok` → `corrupt`, only if the row is still the copy that was checked (same place, same
+    digest): a re-import or a relocation that landed meanwhile is not flagged. Whether it landed."""
+    marked = s.execute(
+        update(LibraryItem)
+        .where(
+            LibraryItem.id == item.id,
+            LibraryItem.status == "ok",
+            LibraryItem.root == item.root,
+            LibraryItem.sha256 == item.sha256,
+        )
+        .values(status="corrupt")
+    )
+    return bool(marked.rowcount)
+
+
 def verify(ctx: StepContext) -> dict[str, Any]:
     with db.transaction() as s:
         items = list(s.scalars(select(LibraryItem).where(LibraryItem.status == "ok")))
@@ -33,8 +50,7 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     result = {"checked": len(items), "corrupt": len(bad)}
     with ctx.finish(result) as s:
         for item in items:
-            if item.id in bad:
-                s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(status="corrupt"))
+            if item.id in bad and mark_corrupt(s, item):
                 flag(s, "corrupt_file", str(item.id), path=str(item_path(item)))
                 service.event(s, item.download_task_id, "corruption found", rel_path=item.rel_path)
                 outbox.add(

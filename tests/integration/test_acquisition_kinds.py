@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
+from sqlalchemy import update
 
 import outbox
 import proj.celery  # noqa: F401 - registers every kind (also `tests.kinds`) and `periodic_task`
@@ -447,6 +448,39 @@ def test_verify_library_flags_corruption_and_reimports(procs, swarm: Swarm, webh
         "checked": 2,
         "corrupt": 0,
     }
+
+
+def test_verify_library_flags_only_the_copy_it_checked() -> None:
+    """A re-import or relocation that landed between the check and the flag (new digest, new
+    root) is not marked corrupt: `verify_library.mark_corrupt`'s guard is in its WHERE."""
+    from proj.kinds.verify_library import mark_corrupt
+
+    task_id = uuid.uuid4()
+    with db.sessions().begin() as s:
+        s.add(
+            DownloadTask(
+                id=task_id, requester="erin", title="Checked", infohash="1" * 40, torrent=b"-",
+                files=[{"rel_path": "a.bin", "size": 1}], total_size=1, status="notified",
+            )
+        )  # fmt: skip
+        s.flush()
+        item = LibraryItem(download_task_id=task_id, rel_path="a.bin", root="/lib", size=1, sha256="a" * 64)
+        s.add(item)
+    checked = LibraryItem(id=item.id, root="/lib", sha256="a" * 64)
+    with db.sessions().begin() as s:  # re-imported meanwhile: another digest
+        s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(sha256="b" * 64))
+    with db.sessions().begin() as s:
+        assert mark_corrupt(s, checked) is False
+    with db.sessions().begin() as s:  # relocated meanwhile: another root, the checked digest
+        s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(sha256="a" * 64, root="/lib2"))
+    with db.sessions().begin() as s:
+        assert mark_corrupt(s, checked) is False
+    assert scalar("SELECT status FROM acq.library_item WHERE id = %s", (item.id,)) == "ok"
+    with db.sessions().begin() as s:  # still the copy that was checked
+        assert mark_corrupt(s, LibraryItem(id=item.id, root="/lib2", sha256="a" * 64)) is True
+    with db.sessions().begin() as s:  # once only
+        assert mark_corrupt(s, LibraryItem(id=item.id, root="/lib2", sha256="a" * 64)) is False
+    assert scalar("SELECT status FROM acq.library_item WHERE id = %s", (item.id,)) == "corrupt"
 
 
 # ----------------------------------------------------------------------------------- relocate
