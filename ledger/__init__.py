@@ -28,7 +28,7 @@ Table: `ledger.asset_operation` (`ledger.models.AssetOperation`, metadata `ledge
 """
 
 from ledger.errors import AttemptInProgress, BadOperation, CommitRefused, LedgerError, PlanConflict
-from ledger.models import AssetOperation, Base
+from ledger.models import AssetOperation, Base, OperationStatus, Resolution
 from ledger.operation import (
     Attempt,
     Done,
@@ -51,7 +51,9 @@ __all__ = [
     "Fence",
     "LedgerError",
     "NotDone",
+    "OperationStatus",
     "PlanConflict",
+    "Resolution",
     "SessionFactory",
     "get_operation",
     "run_operation",

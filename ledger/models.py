@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import CheckConstraint, DateTime, Index, Integer, MetaData, Text, func, text
@@ -17,8 +18,23 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA = "ledger"
 
-STATUSES = ("attempting", "done")
-RESOLUTIONS = ("effect", "reconciled")
+
+class OperationStatus(StrEnum):
+    """`attempting` from the first attempt until a result commits, then `done` for good."""
+
+    ATTEMPTING = "attempting"
+    DONE = "done"
+
+
+class Resolution(StrEnum):
+    """How a `done` operation got its result: the effect ran, or reconcile found it done."""
+
+    EFFECT = "effect"
+    RECONCILED = "reconciled"
+
+
+STATUSES = tuple(OperationStatus)
+RESOLUTIONS = tuple(Resolution)
 
 
 class Base(DeclarativeBase):
@@ -52,7 +68,7 @@ class AssetOperation(Base):
     step: Mapped[str | None] = mapped_column(Text)
     effect_kind: Mapped[str] = mapped_column(Text)
     plan: Mapped[Any] = mapped_column(JSONB)
-    status: Mapped[str] = mapped_column(Text, server_default="attempting")
+    status: Mapped[str] = mapped_column(Text, server_default=OperationStatus.ATTEMPTING.value)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     attempt_token: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     attempt_started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -29,6 +29,7 @@ import dataclasses
 import decimal
 import enum
 import json
+import logging
 import traceback
 import uuid
 from collections.abc import Callable
@@ -43,9 +44,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ledger.errors import AttemptInProgress, BadOperation, CommitRefused, PlanConflict
-from ledger.models import AssetOperation
+from ledger.models import AssetOperation, OperationStatus, Resolution
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 SessionFactory = Callable[[], Session]
 """Returns a new `Session` (a `sessionmaker` works); the ledger opens short transactions with it."""
@@ -146,7 +148,7 @@ def _holder(s: Session, op_key: str) -> str:
     ).first()
     if row is None:
         return "the operation no longer exists"
-    if row.status == "done":
+    if row.status == OperationStatus.DONE:
         return f"the operation is already done (committed by attempt {row.attempt_token})"
     return f"attempt {row.attempt_token} superseded it"
 
@@ -203,7 +205,7 @@ def run_operation(
         ).one()
         if row.plan != plan_json:
             raise PlanConflict(op_key, row.plan, plan_json)
-        if row.status == "done":
+        if row.status == OperationStatus.DONE:
             return row.result
         if (
             row.attempt_token is not None
@@ -245,7 +247,7 @@ def run_operation(
         if attempt.is_retry:
             verdict = reconcile(attempt)
             if isinstance(verdict, Done):
-                return _commit(session_factory, attempt, fence, verdict.result, "reconciled")
+                return _commit(session_factory, attempt, fence, verdict.result, Resolution.RECONCILED)
             if not (verdict is NotDone or isinstance(verdict, NotDone)):
                 raise TypeError(
                     f"reconcile of {op_key!r} must return Done(result) or NotDone(), "
@@ -258,11 +260,15 @@ def run_operation(
     except Exception as exc:
         _record_error(session_factory, op_key, token, exc)
         raise
-    return _commit(session_factory, attempt, fence, result, "effect")
+    return _commit(session_factory, attempt, fence, result, Resolution.EFFECT)
 
 
 def _commit(
-    session_factory: SessionFactory, attempt: Attempt, fence: Fence | None, result: Any, resolution: str
+    session_factory: SessionFactory,
+    attempt: Attempt,
+    fence: Fence | None,
+    result: Any,
+    resolution: Resolution,
 ) -> Any:
     """The fenced result commit: only the attempt holding the token, and only once."""
     value = to_json(result, what="result")
@@ -273,10 +279,10 @@ def _commit(
             .where(
                 AssetOperation.op_key == attempt.op_key,
                 AssetOperation.attempt_token == attempt.token,
-                AssetOperation.status == "attempting",
+                AssetOperation.status == OperationStatus.ATTEMPTING,
             )
             .values(
-                status="done",
+                status=OperationStatus.DONE,
                 result=value,
                 resolution=resolution,
                 last_error=None,
@@ -300,7 +306,7 @@ def _check_current(
         current = s.execute(
             select(AssetOperation.attempt_token, AssetOperation.status).where(AssetOperation.op_key == op_key)
         ).first()
-        if current is None or current.attempt_token != token or current.status != "attempting":
+        if current is None or current.attempt_token != token or current.status != OperationStatus.ATTEMPTING:
             raise CommitRefused(op_key, token, "continue", _holder(s, op_key))
 
 
@@ -313,12 +319,12 @@ def _record_error(session_factory: SessionFactory, op_key: str, token: uuid.UUID
                 .where(
                     AssetOperation.op_key == op_key,
                     AssetOperation.attempt_token == token,
-                    AssetOperation.status == "attempting",
+                    AssetOperation.status == OperationStatus.ATTEMPTING,
                 )
                 .values(last_error=_error_payload(exc), updated_at=func.now())
             )
-    except Exception:  # never mask the effect's own error
-        pass
+    except Exception:  # never mask the effect's own error, but say that it went unrecorded
+        log.warning("could not record the error of ledger operation %s", op_key, exc_info=True)
 
 
 def get_operation(session: Session, op_key: str) -> AssetOperation | None:

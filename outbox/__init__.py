@@ -42,7 +42,7 @@ from outbox.core import (
     dispatch_batch,
     pending_count,
 )
-from outbox.models import Base, OutboxEvent
+from outbox.models import Base, EventStatus, OutboxEvent
 from outbox.nudge import Nudger, set_nudger
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "Base",
     "DispatchReport",
     "Engine",
+    "EventStatus",
     "Nudger",
     "OutboxConflict",
     "OutboxError",

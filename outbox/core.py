@@ -23,7 +23,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from outbox import nudge, tracing
-from outbox.models import OutboxEvent
+from outbox.models import EventStatus, OutboxEvent
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def dispatch_batch(
     with session_factory() as s, s.begin():
         rows = s.scalars(
             select(OutboxEvent)
-            .where(OutboxEvent.status == "pending", OutboxEvent.next_attempt_at <= func.now())
+            .where(OutboxEvent.status == EventStatus.PENDING, OutboxEvent.next_attempt_at <= func.now())
             .order_by(OutboxEvent.next_attempt_at, OutboxEvent.id)
             .limit(batch)
             .with_for_update(skip_locked=True)
@@ -227,7 +227,7 @@ def dispatch_batch(
                 row.attempts = failures
                 row.last_error = _error(exc, failures)
                 if failures >= policy.limit_for(exc):
-                    row.status = "dead"
+                    row.status = EventStatus.DEAD
                     report.dead += 1
                     report.dead_ids.append(row.id)
                     log.error(
@@ -241,7 +241,7 @@ def dispatch_batch(
                         "outbox event %s (%s) failed, retry in %.0fs: %s", row.id, row.kind, delay, exc
                     )
                 continue
-            row.status = "dispatched"
+            row.status = EventStatus.DISPATCHED
             row.attempts = row.attempts + 1
             row.dispatched_at = datetime.now(UTC)  # when enqueue returned, not when the batch commits
             run_id = getattr(ref, "task_run_id", ref)
@@ -288,6 +288,8 @@ def dispatch(
 def pending_count(session: Session) -> int:
     """The backlog (for /admin and tests): events not yet dispatched and not dead."""
     return int(
-        session.scalar(select(func.count()).select_from(OutboxEvent).where(OutboxEvent.status == "pending"))
+        session.scalar(
+            select(func.count()).select_from(OutboxEvent).where(OutboxEvent.status == EventStatus.PENDING)
+        )
         or 0
     )

@@ -8,6 +8,7 @@ is dispatched twice (crash between enqueue and the mark, two dispatchers) still 
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -27,7 +28,16 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA = "outbox"
 
-STATUSES = ("pending", "dispatched", "dead")
+
+class EventStatus(StrEnum):
+    """`pending` until handed to the engine, then `dispatched`; `dead` past the retry limit."""
+
+    PENDING = "pending"
+    DISPATCHED = "dispatched"
+    DEAD = "dead"
+
+
+STATUSES = tuple(EventStatus)
 
 
 class Base(DeclarativeBase):
@@ -49,7 +59,7 @@ class OutboxEvent(Base):
     kind: Mapped[str] = mapped_column(Text)
     idempotency_key: Mapped[str] = mapped_column(Text)
     payload: Mapped[Any] = mapped_column(JSONB)
-    status: Mapped[str] = mapped_column(Text, server_default="pending")
+    status: Mapped[str] = mapped_column(Text, server_default=EventStatus.PENDING.value)
     attempts: Mapped[int] = mapped_column(Integer, server_default="0")
     next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     last_error: Mapped[dict[str, Any] | None] = mapped_column(JSONB)

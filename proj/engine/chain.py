@@ -26,7 +26,7 @@ from proj.engine.errors import IdempotencyConflict, InvalidInput
 from proj.engine.inputs import canonical_input, check_key
 from proj.engine.kind import Kind, StepDef, get_kind
 from proj.engine.port import TaskRunRef
-from proj.engine.status import TERMINAL
+from proj.engine.status import TERMINAL, RunStatus
 from proj.engine.store import cancels as cancels_store
 from proj.engine.store import children as children_store
 from proj.engine.store import commits as commits_store
@@ -308,12 +308,12 @@ def finish_run(s: Session, run_id: uuid.UUID, kind: Kind, result: Any) -> list[D
     run = store.finish_run(s, run_id, result=to_json(result), end_stage=len(kind.canvas))
     if run is None:
         return []
-    tracing.run_finished(s, run, "succeeded", run.finished_at)
-    return notify_parent(s, run_id, run.parent_run_id, "succeeded")
+    tracing.run_finished(s, run, RunStatus.SUCCEEDED, run.finished_at)
+    return notify_parent(s, run_id, run.parent_run_id, RunStatus.SUCCEEDED)
 
 
 def notify_parent(
-    s: Session, run_id: uuid.UUID, parent_run_id: uuid.UUID | None, status: str
+    s: Session, run_id: uuid.UUID, parent_run_id: uuid.UUID | None, status: RunStatus
 ) -> list[Dispatch]:
     """A child run finished: store `run-finished:<id>` and wake the parent step parked on it, in
     the finishing transaction (under the topic lock, as `runs.signal` does, so a park racing it
@@ -338,9 +338,9 @@ def expire_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any] | None = No
     if run is None:
         return []
     cancels_store.cancel_open_steps(s, run_id)
-    tracing.run_finished(s, run, "failed", run.finished_at)
+    tracing.run_finished(s, run, RunStatus.FAILED, run.finished_at)
     out = cancel_children(s, run_id, f"parent run {run_id} passed its deadline")
-    out += notify_parent(s, run_id, run.parent_run_id, "failed")
+    out += notify_parent(s, run_id, run.parent_run_id, RunStatus.FAILED)
     return out + enqueue_compensation(s, run)
 
 
@@ -491,7 +491,7 @@ def commit_alone(c: Claim, kind: Kind, payload: str, carry: Carry | None) -> Com
             )
         if run is None:
             return None
-        tracing.run_span(run, "succeeded", run.finished_at)
+        tracing.run_span(run, RunStatus.SUCCEEDED, run.finished_at)
         return Committed([])
     nxt = kind.canvas[following]
     if not nxt.single:
@@ -571,8 +571,8 @@ def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:
     ended = cancels_store.cancel_run(s, run_id)
     if ended is None:
         return out
-    tracing.run_finished(s, run, "canceled", ended.finished_at)
-    out += notify_parent(s, run_id, ended.parent_run_id, "canceled")
+    tracing.run_finished(s, run, RunStatus.CANCELED, ended.finished_at)
+    out += notify_parent(s, run_id, ended.parent_run_id, RunStatus.CANCELED)
     return out + enqueue_compensation(s, run)
 
 

@@ -24,7 +24,7 @@ from proj.engine.attempts import AttemptEnd, Carry, Claim, Committed, error_payl
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost, NonRetryable
 from proj.engine.kind import Kind, RetryPolicy
-from proj.engine.status import Outcome
+from proj.engine.status import Outcome, RunStatus
 from proj.engine.store import commits as store
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,6 @@ def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> list[Dispatc
     run = store.fail_run(s, run_id, err)
     if run is None:
         return []
-    tracing.run_finished(s, run, "failed", run.finished_at)
+    tracing.run_finished(s, run, RunStatus.FAILED, run.finished_at)
     out = chain.cancel_children(s, run_id, f"parent run {run_id} failed")
-    return out + chain.notify_parent(s, run_id, run.parent_run_id, "failed")
+    return out + chain.notify_parent(s, run_id, run.parent_run_id, RunStatus.FAILED)

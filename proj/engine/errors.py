@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from proj.engine.status import RunStatus
+
 
 class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
@@ -91,7 +93,7 @@ class ChildFailed(EngineError):
     def __init__(self, child_run_id: object, kind: str, status: str, error: object) -> None:
         err = error if isinstance(error, dict) else {}
         what = f"{err.get('type', 'error')}: {err.get('message', '')}" if err else "no error recorded"
-        verb = "was canceled" if status == "canceled" else "failed"
+        verb = "was canceled" if status == RunStatus.CANCELED else "failed"
         super().__init__(f"child run {child_run_id} ({kind}) {verb}: {what}")
         self.child_run_id = child_run_id
         self.details = {"child_run_id": str(child_run_id), "child_status": status, "child_error": error}

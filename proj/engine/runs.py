@@ -32,7 +32,7 @@ from proj.engine.inputs import (
     unstorable,
 )
 from proj.engine.port import TaskRunRef, TaskRunView
-from proj.engine.status import RunStatus
+from proj.engine.status import ACTIVE, RunStatus
 from proj.engine.store import cancels as cancels_store
 from proj.engine.store import children as children_store
 from proj.engine.store import runs as store_runs
@@ -129,14 +129,14 @@ def find(kind: str, idempotency_key: str) -> TaskRunView | None:
 def _parked(row: store_runs.RunViewRow) -> bool:
     """Waiting on a signal or timer: a woken run shows `waiting` until its step is claimed, but
     its step is pending then (`due_at`), not parked."""
-    return row.status == "waiting" and row.due_at is None
+    return row.status == RunStatus.WAITING and row.due_at is None
 
 
 def _pending_reason(row: store_runs.RunViewRow) -> str | None:
     """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
     its version picked it up (a woken run's step included: the run shows `waiting` until then,
     `tests/integration/test_wake_batches.py::test_the_claim_moves_a_woken_run_to_running`)."""
-    if row.status not in ("pending", "running", "waiting") or row.due_at is None:
+    if row.status not in ACTIVE or row.due_at is None:
         return None
     if row.due_at > row.db_now:
         return f"scheduled for {row.due_at.isoformat()}"

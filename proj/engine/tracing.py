@@ -31,7 +31,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from proj.engine.status import Outcome
+from proj.engine.status import Outcome, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def set_outcome(span: Span, outcome: str, exc: BaseException | None = None) -> N
         span.set_status(Status(StatusCode.ERROR, str(exc)[:200] if exc else outcome))
 
 
-def run_finished(s: Session, run: Any, status: str, finished_at: datetime | None) -> None:
+def run_finished(s: Session, run: Any, status: RunStatus, finished_at: datetime | None) -> None:
     """Emit the `run <kind>` span once the transaction that finished the run commits.
 
     `run` needs id, kind, version, trace and created_at. Nothing happens on rollback.
@@ -217,7 +217,7 @@ def run_finished(s: Session, run: Any, status: str, finished_at: datetime | None
         event.listen(s, "after_commit", lambda _s: run_span(run, status, finished_at), once=True)
 
 
-def run_span(run: Any, status: str, finished_at: datetime | None) -> None:
+def run_span(run: Any, status: RunStatus, finished_at: datetime | None) -> None:
     """Emit the `run <kind>` span now: the run's end is committed already."""
     if not run.trace:
         return
@@ -230,7 +230,7 @@ def run_span(run: Any, status: str, finished_at: datetime | None) -> None:
             attributes={**_attrs(run.kind, run.version, run.id), "engine.outcome": status},
             start_time=_nanos(run.created_at),
         )
-        if status != "succeeded":
+        if status != RunStatus.SUCCEEDED:
             span.set_status(Status(StatusCode.ERROR, status))
         span.end(end_time=_nanos(finished_at))
     except Exception as exc:  # telemetry never breaks the engine
