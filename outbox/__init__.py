@@ -41,6 +41,7 @@ from outbox.core import (
     dispatch,
     dispatch_batch,
     pending_count,
+    purge_dispatched,
 )
 from outbox.models import Base, EventStatus, OutboxEvent
 from outbox.nudge import Nudger, set_nudger
@@ -62,5 +63,6 @@ __all__ = [
     "dispatch",
     "dispatch_batch",
     "pending_count",
+    "purge_dispatched",
     "set_nudger",
 ]

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import cast, func, select
+from sqlalchemy import cast, func, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
@@ -283,6 +283,23 @@ def dispatch(
     if total.dispatched or total.retried or total.dead:
         log.info("outbox dispatch: %s", json.dumps(total.as_dict()))
     return total
+
+
+PURGE_DISPATCHED = text(
+    """
+    DELETE FROM outbox.outbox_event
+     WHERE status = 'dispatched' AND dispatched_at < now() - make_interval(secs => :secs)
+    """
+)
+
+
+def purge_dispatched(session: Session, older_than_s: float) -> int:
+    """Delete the events dispatched more than `older_than_s` ago, in the caller's transaction;
+    returns how many. Why: a dispatched row is history only, and the engine's enqueue is
+    idempotent forever (a later `add` of the same key enqueues the same run, not a second one).
+    Pending and dead rows are never purged (`tests/integration/test_acquisition_kinds.py::
+    test_purge_drops_finished_steps_keeps_runs_dead_letters_and_unfinished_work`)."""
+    return int(session.execute(PURGE_DISPATCHED, {"secs": older_than_s}).rowcount)  # type: ignore[attr-defined]
 
 
 def pending_count(session: Session) -> int:

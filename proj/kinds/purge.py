@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import text
-
+import outbox
 from proj.engine.context import StepContext
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.engine.store import retention
@@ -25,14 +24,7 @@ def purge(ctx: StepContext) -> dict[str, Any]:
     with ctx.fenced() as s:
         out["steps"] = retention.purge_finished_steps(s, secs)
         out["signals"] = retention.purge_signals(s, secs)
-        if s.scalar(text("SELECT to_regclass('outbox.outbox_event') IS NOT NULL")):
-            out["outbox"] = s.execute(
-                text(
-                    "DELETE FROM outbox.outbox_event WHERE status = 'dispatched' "
-                    "AND dispatched_at < now() - make_interval(secs => :d)"
-                ),
-                {"d": secs},
-            ).rowcount
+        out["outbox"] = outbox.purge_dispatched(s, secs)
     return out
 
 
