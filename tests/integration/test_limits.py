@@ -298,6 +298,33 @@ def test_sweeper_sends_the_highest_priority_first(monkeypatch) -> None:
     assert [step for _, step in order] == [step_of[p] for p in (7, 3, 0, -1)]
 
 
+def test_dead_letters_pending_steps_do_not_starve_the_sweeper(monkeypatch) -> None:
+    """A failed run keeps its pending steps (an operator may retry it), due forever and older
+    than any live step. With more of them than one sweep's batch, the live step is still sent:
+    the batch holds only steps of live runs (`store.recovery.PUBLISH_DUE`)."""
+    from proj.engine import sweeper
+
+    sent: list[list[dispatch.Dispatch]] = []
+    monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: sent.append(list(items)))
+    monkeypatch.setattr(sweeper, "BATCH", 3)
+    dead = [runs.enqueue("probe", {"n": i}, idempotency_key=new_key()).task_run_id for i in range(4)]
+    live = runs.enqueue("probe", {"n": 9}, idempotency_key=new_key()).task_run_id
+    sql("UPDATE engine.task_run SET status = 'failed' WHERE id = ANY(%s)", (dead,))
+    sql(
+        "UPDATE engine.step SET published_at = NULL, next_attempt_at = next_attempt_at - "
+        "CASE WHEN run_id = ANY(%s) THEN interval '1 hour' ELSE interval '0' END",
+        (dead,),
+    )
+    sent.clear()
+    sweep()
+    live_step = scalar("SELECT id FROM engine.step WHERE run_id = %s", (live,))
+    assert [d.step_id for batch in sent for d in batch] == [live_step]
+    assert (
+        scalar("SELECT count(*) FROM engine.step WHERE run_id = ANY(%s) AND published_at IS NULL", (dead,))
+        == 4
+    )
+
+
 def test_bad_priority_is_refused_and_nothing_is_written() -> None:
     """A priority must be a 32-bit int (it orders with `-priority` in SQL)."""
     with pytest.raises(InvalidInput):

@@ -66,6 +66,10 @@ CANCELS_TO_FINISH = text(
     """
 )
 
+# The live-run filter sits inside the LIMIT: pending steps of a failed run (a dead letter keeps
+# them for an operator's retry) are due forever, and filtered only outside it they took the
+# batch's places on every sweep, so past `:n` of them nothing live was sent again
+# (`tests/integration/test_limits.py::test_dead_letters_pending_steps_do_not_starve_the_sweeper`).
 PUBLISH_DUE = text(
     """
     UPDATE engine.step s SET published_at = now()
@@ -75,6 +79,7 @@ PUBLISH_DUE = text(
              WHERE p.status = 'pending' AND p.next_attempt_at <= now()
                AND (p.published_at IS NULL
                     OR p.published_at < now() - make_interval(secs => :again))
+               AND pr.status IN ('pending', 'running', 'waiting') AND pr.cancel_requested_at IS NULL
              ORDER BY pr.priority DESC, p.next_attempt_at LIMIT :n
              FOR UPDATE OF p SKIP LOCKED)
        AND r.id = s.run_id AND r.status IN ('pending', 'running', 'waiting')
