@@ -339,7 +339,9 @@ def resolve(
     if retry:
         console.print(f"{runs.retry_failed(rid)} step(s) sent back to work")
     else:
-        runs.abandon(rid, "operator")
+        if not runs.abandon(rid, "operator"):
+            console.print(f"[red]{rid} is not a failed run: nothing abandoned[/red]")
+            raise typer.Exit(1)
         console.print("abandoned")
 
 

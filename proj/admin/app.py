@@ -441,8 +441,10 @@ def create_app(
         from proj.engine import runs
 
         rid = existing_run_or_404(run_id)
-        runs.abandon(rid, reason_or_400(reason))
-        flash(request, f"abandoned {rid}: compensation queued if the kind has one")
+        if runs.abandon(rid, reason_or_400(reason)):
+            flash(request, f"abandoned {rid}: compensation queued if the kind has one")
+        else:
+            flash(request, f"{rid} is not a failed run: nothing abandoned", "warn")
         return RedirectResponse(f"/admin/runs/{rid}", status_code=303)
 
     @r.post("/runs/{run_id}/cancel", dependencies=[Depends(require_csrf)])

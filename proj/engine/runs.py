@@ -246,13 +246,18 @@ def retry_failed(run_id: uuid.UUID) -> int:
     return len(rows)
 
 
-def abandon(run_id: uuid.UUID, reason: str) -> None:
-    """Operator decision on a dead letter: give up, with the kind's compensation."""
+def abandon(run_id: uuid.UUID, reason: str) -> bool:
+    """Operator decision on a dead letter: give up, with the kind's compensation. False when the
+    run is not a dead letter (any more): nothing is touched, so a stale page's abandon cannot
+    cancel a run that another operator's retry brought back to life
+    (`tests/integration/test_waits_cancel.py::test_abandon_touches_only_a_dead_letter`)."""
     check_reason(reason)
     with db.transaction() as s:
-        cancels_store.abandon_failed_run(s, run_id, f"abandoned: {reason}"[:2000])
+        if not cancels_store.abandon_failed_run(s, run_id, f"abandoned: {reason}"[:2000]):
+            return False
         out = finalize_cancel(s, run_id)
     dispatch.publish_after_commit(out)
+    return True
 
 
 __all__ = [

@@ -107,3 +107,27 @@ def test_the_embedded_beat_logs_a_failing_sweep_and_keeps_sweeping(monkeypatch, 
     assert len(calls) == 2, "the loop went on after the first failure"
     failures = [r for r in caplog.records if r.getMessage().startswith("sweep failed")]
     assert len(failures) == 2 and "sweep broke on purpose" in caplog.text
+
+
+def test_a_retry_error_leaves_an_ended_runs_error() -> None:
+    """A retry's error shows on its live run; on a run that ended (a fan-out sibling retrying
+    after another item failed the run) the dead letter's own error stays."""
+    from proj import db
+    from proj.engine import runs
+    from proj.engine.store import commits
+
+    ref = runs.enqueue("probe", {"n": 1}, idempotency_key=new_key())
+    with db.transaction() as s:
+        assert commits.record_retry_error(s, ref.task_run_id, {"message": "retrying"}) is True
+    assert scalar("SELECT last_error->>'message' FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == (
+        "retrying"
+    )
+    sql(
+        "UPDATE engine.task_run SET status = 'failed', last_error = %s WHERE id = %s",
+        ('{"message": "the failure"}', ref.task_run_id),
+    )
+    with db.transaction() as s:
+        assert commits.record_retry_error(s, ref.task_run_id, {"message": "a sibling's retry"}) is False
+    assert scalar("SELECT last_error->>'message' FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == (
+        "the failure"
+    )

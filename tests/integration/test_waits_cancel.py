@@ -131,3 +131,26 @@ def test_cancel_during_a_long_chunked_step_stops_within_one_chunk(inproc) -> Non
     )
     assert scalar("SELECT count(*) FROM engine.task_run WHERE kind = 'undo'") == 1
     assert scalar("SELECT result FROM engine.task_run WHERE kind = 'undo'") == str(ref.task_run_id)
+
+
+def test_abandon_touches_only_a_dead_letter(inproc) -> None:
+    """Abandon on a run that is not `failed` (a stale page after another operator's retry) writes
+    nothing and cancels nothing: no cancel request, no canceled step, no compensation."""
+    from proj.engine import runs
+
+    topic = f"abandon:{new_key()}"
+    ref = inproc.enqueue("signalled", {"topic": topic, "timeout_s": 600}, idempotency_key=new_key())
+    wait_for(lambda: _status(ref.task_run_id) == "waiting", 20, what="the run to park")
+    assert runs.abandon(ref.task_run_id, "stale page") is False
+    time.sleep(0.5)  # what a wrongly finished cancel would have written by now
+    assert _status(ref.task_run_id) == "waiting"
+    assert scalar("SELECT cancel_requested_at FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) is None
+    assert (
+        scalar(
+            "SELECT count(*) FROM engine.step WHERE run_id = %s AND status = 'canceled'", (ref.task_run_id,)
+        )
+        == 0
+    )
+    assert scalar("SELECT count(*) FROM engine.task_run WHERE kind = 'compensate'") == 0
+    assert runs.signal(topic) == 1
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 20, what="the run to go on")

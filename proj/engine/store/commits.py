@@ -15,7 +15,7 @@ fenced one returns None or False when the commit was refused.
 | `succeed_and_claim_next_batch` | each of a chunk as `succeed_and_claim_next` | each pointer moved |
 | `succeed_and_finish` | running → succeeded | → succeeded with the result |
 | `fail_or_retry` | running → failed (final) or pending after a backoff | |
-| `record_retry_error` | | `last_error` of the retried attempt |
+| `record_retry_error` | | `last_error` of the retried attempt (a live run only) |
 | `cancel_step` | running → canceled (the body stopped on a cancel request) | |
 | `fail_run` | | live → failed (a dead letter) |
 | `close_attempt` | an attempt that did not succeed is logged with its outcome (`step_attempt`) | |
@@ -45,6 +45,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj import db
+from proj.engine.store.rows import changed
 from proj.engine.store.stages import EndedRun, LockedRun, NextStep
 
 SUCCEED_AND_LOCK_RUN = text(
@@ -231,7 +232,10 @@ FAIL_OR_RETRY = text(
 )
 
 RECORD_RETRY_ERROR = text(
-    "UPDATE engine.task_run SET last_error = CAST(:err AS jsonb), updated_at = now() WHERE id = :run"
+    """
+    UPDATE engine.task_run SET last_error = CAST(:err AS jsonb), updated_at = now()
+     WHERE id = :run AND status IN ('pending', 'running', 'waiting')
+    """
 )
 
 CANCEL_STEP = text(
@@ -386,9 +390,11 @@ def fail_or_retry(
     return s.execute(FAIL_OR_RETRY, params).first() is not None
 
 
-def record_retry_error(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> None:
-    """Show the retried attempt's error on its run."""
-    s.execute(RECORD_RETRY_ERROR, {"err": json.dumps(err), "run": run_id})
+def record_retry_error(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> bool:
+    """Show the retried attempt's error on its live run; a run that ended keeps its own (a
+    sibling's retry after a fan-out failed its run must not hide the dead letter's error,
+    `tests/integration/test_engine_basics.py::test_a_retry_error_leaves_an_ended_runs_error`)."""
+    return changed(s.execute(RECORD_RETRY_ERROR, {"err": json.dumps(err), "run": run_id})) > 0
 
 
 def cancel_step(s: Session, *, step_id: int, token: uuid.UUID) -> bool:
