@@ -34,7 +34,6 @@ import os
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 import psycopg
@@ -69,6 +68,7 @@ class Liveness:
         self._pid = 0
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._owner = ""
+        self._key = 0  # this process' advisory key, kept across reconnects
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -88,7 +88,7 @@ class Liveness:
                 return
             # A forked child inherits the parent's connection object: never close or use it
             # (closing would end the parent's session and so release the parent's lock).
-            self._conn, self._owner, self._pid = None, "", os.getpid()
+            self._conn, self._owner, self._key, self._pid = None, "", 0, os.getpid()
             self._stop.clear()
             if get_settings().reap_interval_s <= 0:
                 return
@@ -97,8 +97,16 @@ class Liveness:
             self._thread.start()
 
     def _connect(self) -> None:
-        """(Re)open the liveness session and take this process' lock; on failure, plain owner."""
-        key = secrets.randbits(62)
+        """(Re)open the liveness session and take this process' lock; on failure, plain owner.
+
+        A reconnect takes the same key again. Why: the steps this process claimed before name
+        that key in their owner; under a new key the reapers would find the old one released
+        and end the leases of a process that is alive and still running them. Taken again, the
+        key is released only between the old session's end and the retake (a reap interval at
+        most). While the old session still holds it (its end not yet seen by the server), the
+        retake fails, the old leases stay covered, and new claims use the plain owner until a
+        later tick takes the key (`tests/integration/test_liveness.py`)."""
+        key = self._key or secrets.randbits(62)
         try:
             conn = psycopg.connect(
                 _conninfo(),
@@ -112,7 +120,13 @@ class Liveness:
             log.warning("liveness: no session (%s); this process falls back to its leases", exc)
             self._owner = ""
             return
-        assert taken, "a fresh random advisory key cannot be taken"
+        if not taken:
+            assert self._key, "a fresh random advisory key cannot be taken"
+            conn.close()
+            log.warning("liveness: this process' old session still holds its lock; retrying")
+            self._owner = ""
+            return
+        self._key = key
         self._conn = conn
         self._owner = f"{self._plain()}#{key}@{postmaster_start}"
 
@@ -123,6 +137,10 @@ class Liveness:
             try:
                 self.reap()
             except psycopg.Error as exc:
+                conn = self._conn
+                if conn is not None and not conn.closed and not conn.broken:
+                    log.warning("liveness: reap failed (%s); the session and its lock are kept", exc)
+                    continue
                 log.warning("liveness: session lost (%s); reconnecting", exc)
                 self._reconnect()
             except Exception:  # keep reaping; the lease path still recovers everything
@@ -133,8 +151,7 @@ class Liveness:
         if old is not None:
             with contextlib.suppress(psycopg.Error):
                 old.close()
-        time.sleep(min(1.0, get_settings().reap_interval_s))
-        self._connect()
+        self._connect()  # at once: the key is free for others' reapers until it is taken again
 
     def reap(self) -> int:
         """End the leases of steps whose owner's session is gone, then recover them at once."""
@@ -151,7 +168,7 @@ class Liveness:
     def stop(self) -> None:
         """Release the lock (tests, `engine.stop()`): this process' leases stay as they are."""
         self._stop.set()
-        conn, self._conn, self._owner, self._pid = self._conn, None, "", 0
+        conn, self._conn, self._owner, self._key, self._pid = self._conn, None, "", 0, 0
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
