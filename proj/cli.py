@@ -169,6 +169,7 @@ def cancel(
     from proj.acquisition import service
     from proj.acquisition.models import DownloadTask
     from proj.engine import runs
+    from proj.engine.status import TERMINAL
 
     ident = _uuid_or_exit(run_or_request)
     with db.transaction() as s:
@@ -178,6 +179,10 @@ def cancel(
             n = service.cancel_download(_engine(), db.sessions(), ident, reason, by=by or _operator())
         console.print(f"cancel requested for request {ident}: {n} run(s) stopping, compensation follows")
         return
+    view = runs.get(ident)
+    if view is not None and view.status in TERMINAL:
+        errors.print(f"[red]run {ident} has finished ({view.status}): nothing to cancel[/red]")
+        raise typer.Exit(1)
     try:
         runs.cancel(ident, reason)
     except KeyError:
@@ -335,12 +340,16 @@ def resolve(
     if retry == abandon:
         console.print("[red]choose exactly one of --retry or --abandon[/red]")
         raise typer.Exit(2)
-    rid = uuid.UUID(run_id)
+    rid = _uuid_or_exit(run_id)
     if retry:
-        console.print(f"{runs.retry_failed(rid)} step(s) sent back to work")
+        n = runs.retry_failed(rid)
+        if not n:
+            errors.print(f"[red]{rid} is not a failed run: nothing retried[/red]")
+            raise typer.Exit(1)
+        console.print(f"{n} step(s) sent back to work")
     else:
         if not runs.abandon(rid, "operator"):
-            console.print(f"[red]{rid} is not a failed run: nothing abandoned[/red]")
+            errors.print(f"[red]{rid} is not a failed run: nothing abandoned[/red]")
             raise typer.Exit(1)
         console.print("abandoned")
 
@@ -492,10 +501,15 @@ def healthcheck(
 @cli.command("lock-steps")
 def lock_steps() -> None:
     """Record step names per kind@version in proj/kinds/steps.lock.json (append-only)."""
-    from proj.engine.versions import LOCK_PATH, write_lock
+    import proj.celery  # noqa: F401  - registers every kind: without them nothing new is recorded
+    from proj.engine import versions
 
-    merged = write_lock()
-    console.print(f"{len(merged)} kind version(s) locked in {LOCK_PATH}")
+    try:
+        merged = versions.write_lock(versions.LOCK_PATH)
+    except ValueError as exc:  # a locked version's steps changed: a new version is needed
+        errors.print(f"[red]refused: {exc}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"{len(merged)} kind version(s) locked in {versions.LOCK_PATH}")
 
 
 @cli.command()

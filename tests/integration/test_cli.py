@@ -121,6 +121,13 @@ def test_runs_show_and_resolve(inproc) -> None:
     )
     code, out = proj("show", str(ref.task_run_id))
     assert "source repaired by operator" in out and "succeeded" in out
+    # On a run that is not a dead letter (any more), nothing happens and the exit code says so.
+    for action in ("--retry", "--abandon"):
+        code, out = proj("resolve", str(ref.task_run_id), action)
+        assert code == 1 and "is not a failed run" in out, (action, out)
+    code, out = proj("cancel", str(ref.task_run_id))
+    assert code == 1 and "has finished (succeeded): nothing to cancel" in out, out
+    assert proj("resolve", "not-a-run", "--retry")[0] == 2
 
 
 def test_admin_command_refuses_unsafe_configurations(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,3 +196,39 @@ def test_doctor_warns_of_a_queue_nobody_consumes(procs) -> None:
     assert f"{orphan.queue} has 2 message(s) and no consumer" in out, out
     assert f"{served.queue} has" not in out, out
     assert "workers           │ WARN" in out, out
+
+
+def _lock_steps(path) -> subprocess.CompletedProcess[str]:
+    """`proj lock-steps` in a fresh process (kinds not imported yet), writing `path`."""
+    code = (
+        "import pathlib, sys\n"
+        "import proj.engine.versions as v\n"
+        "v.LOCK_PATH = pathlib.Path(sys.argv[1])\n"
+        "from proj.cli import main\n"
+        "sys.argv = ['proj', 'lock-steps']\n"
+        "main()\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_lock_steps_records_the_kinds_and_refuses_a_changed_version(tmp_path) -> None:
+    import json
+
+    from proj.engine.versions import LOCK_PATH
+
+    lock = json.loads(LOCK_PATH.read_text())
+    missing = dict(lock)
+    dropped = missing.pop("notify@1")
+    path = tmp_path / "steps.lock.json"
+    path.write_text(json.dumps(missing))
+    done = _lock_steps(path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(path.read_text())["notify@1"] == dropped, "the unlocked version was not recorded"
+
+    changed = {**lock, "notify@1": [*dropped[:-1], "renamed"]}
+    path.write_text(json.dumps(changed))
+    refused = _lock_steps(path)
+    assert refused.returncode == 1 and "refused" in refused.stderr, refused.stdout + refused.stderr
+    assert json.loads(path.read_text()) == changed, "a refused lock must not be rewritten"
