@@ -17,7 +17,7 @@ cli = typer.Typer(help="Durable Celery steps with ledger discipline.", no_args_i
 console = Console(emoji=False, highlight=False)
 errors = Console(emoji=False, highlight=False, stderr=True, soft_wrap=True)
 
-__all__ = ["cli", "main", "migrate_to_head"]
+__all__ = ["cli", "error_line", "main", "migrate_to_head"]
 
 
 @cli.command()
@@ -530,8 +530,55 @@ def demo(
 
 
 def main() -> None:
-    logs.configure()  # LOG_FORMAT=json: engine lines of CLI commands as JSON on stderr
-    cli()
+    """The `proj` command. An error the operator can act on (the database or broker out of
+    reach, a database not migrated, a bad setting, bad input) is one line saying what to do,
+    exit 1, not a traceback; `PROJ_TRACEBACK=1` shows the traceback
+    (`tests/integration/test_cli.py::test_errors_are_one_line_not_a_traceback`)."""
+    import os
+
+    try:
+        logs.configure()  # LOG_FORMAT=json: engine lines of CLI commands as JSON on stderr
+        cli()
+    except Exception as exc:  # typer's own exits and usage errors never reach here
+        if os.environ.get("PROJ_TRACEBACK"):
+            raise
+        errors.print(f"[red]{error_line(exc)}[/red]", markup=True)
+        raise SystemExit(1) from None
+
+
+def _unreachable() -> tuple[type[BaseException], ...]:
+    import psycopg
+    import redis
+    from kombu.exceptions import OperationalError as BrokerError
+    from sqlalchemy import exc as sa_exc
+
+    return (
+        sa_exc.OperationalError,
+        sa_exc.InterfaceError,
+        psycopg.OperationalError,
+        BrokerError,
+        redis.exceptions.ConnectionError,
+        ConnectionError,
+    )
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for an error that ended a command, with what to do about it."""
+    from pydantic import ValidationError
+
+    first = (str(exc).strip().splitlines() or [""])[0]
+    cause = getattr(exc, "orig", None)
+    if isinstance(exc, ValidationError):
+        what = "; ".join(f"{str(e['loc'][0]).upper()}: {e['msg']}" for e in exc.errors() if e.get("loc"))
+        return f"bad setting: {what or first}"
+    if type(cause).__name__ == "UndefinedTable":
+        return f"the database is not migrated ({first}): run `proj migrate`"
+    if isinstance(exc, _unreachable()):
+        return (
+            f"cannot reach the database or the broker ({first}): "
+            "check DATABASE_URL and BROKER_URL, or run `proj doctor`"
+        )
+    return f"{type(exc).__name__}: {first}"
 
 
 if __name__ == "__main__":

@@ -232,3 +232,24 @@ def test_lock_steps_records_the_kinds_and_refuses_a_changed_version(tmp_path) ->
     refused = _lock_steps(path)
     assert refused.returncode == 1 and "refused" in refused.stderr, refused.stdout + refused.stderr
     assert json.loads(path.read_text()) == changed, "a refused lock must not be rewritten"
+
+
+def test_errors_are_one_line_not_a_traceback() -> None:
+    """An operator gets one line saying what to do, exit 1: the database out of reach, a bad
+    setting, bad input; `PROJ_TRACEBACK=1` still shows the traceback."""
+    dead = {
+        "DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:1/none",
+        "BROKER_URL": "redis://127.0.0.1:1/0",
+    }
+    cases = [
+        (["runs"], dead, "proj doctor"),
+        (["runs"], {"LEASE_TTL_S": "abc"}, "bad setting: LEASE_TTL_S"),
+        (["signal", "bad topic"], {}, "bad signal topic"),
+    ]
+    for args, env, expected in cases:
+        done = proj_subprocess(*args, env=env)
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert expected in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) <= 2, done.stderr  # one line, soft-wrapped at most once
+    shown = proj_subprocess("runs", env={**dead, "PROJ_TRACEBACK": "1"})
+    assert shown.returncode == 1 and "Traceback" in shown.stderr
