@@ -129,22 +129,40 @@ def list_runs(
     """List recent runs, newest first."""
     from proj import db
     from proj.admin import queries
+    from proj.engine.status import RunStatus
 
+    if status is not None and status not in tuple(RunStatus):
+        errors.print(f"[red]unknown status {status!r}: one of {', '.join(RunStatus)}[/red]")
+        raise typer.Exit(2)
+    if version is not None and version < 1 or limit < 1:
+        errors.print("[red]--version and --limit must be 1 or more[/red]")
+        raise typer.Exit(2)
     f = queries.RunFilter(kind=kind or "", version=str(version or ""), status=status or "", q=search or "")
     with db.transaction() as s:
         rows, more = queries.list_runs(s, f, limit=limit)
-    table = Table("run", "kind", "status", "step", "key", "created")
-    for r in rows:
-        style = STATUS_STYLE.get(r.status, "white")
-        table.add_row(
+    header = ("run", "kind", "status", "step", "key", "created")
+    lines = [
+        (
             str(r.id),
             f"{r.kind}@{r.version}",
-            f"[{style}]{r.status}[/{style}]",
+            r.status,
             r.current_step or "",
-            r.idempotency_key if len(r.idempotency_key) <= 40 else r.idempotency_key[:39] + "…",
+            r.idempotency_key,
             r.created_at.isoformat(timespec="seconds"),
         )
-    console.print(table)
+        for r in rows
+    ]
+    if not console.is_terminal:  # piped: whole values, one run per line, tab-separated
+        for line in [header, *lines]:
+            print("\t".join(line))
+    else:
+        table = Table(*header)
+        table.columns[0].no_wrap = True  # copied into `proj show ID` / `resolve` / `cancel`: never cut
+        for run_id, kv, st, step, key, created in lines:
+            style = STATUS_STYLE.get(st, "white")
+            short = key if len(key) <= 40 else key[:39] + "…"
+            table.add_row(run_id, kv, f"[{style}]{st}[/{style}]", step, short, created)
+        console.print(table)
     if more:
         console.print(f"[dim]more than {limit}: use --limit or filters[/dim]")
 

@@ -103,6 +103,11 @@ def test_runs_show_and_resolve(inproc) -> None:
     assert str(ref.task_run_id) in out
     code, out = proj("runs", "--kind", "probe")
     assert str(ref.task_run_id) not in out
+    code, out = proj("runs", "--status", "faild")  # a typo is refused, not ignored
+    assert code == 2 and "unknown status 'faild'" in out
+    assert proj("runs", "--limit", "0")[0] == 2
+    code, out = proj("runs", "--status", "failed")  # piped: whole ids, tab-separated
+    assert f"{ref.task_run_id}\tmendable@1\tfailed\t" in out
 
     code, out = proj("show", str(ref.task_run_id))
     assert code == 0, out
