@@ -154,3 +154,37 @@ def test_abandon_touches_only_a_dead_letter(inproc) -> None:
     assert scalar("SELECT count(*) FROM engine.task_run WHERE kind = 'compensate'") == 0
     assert runs.signal(topic) == 1
     wait_for(lambda: _status(ref.task_run_id) == "succeeded", 20, what="the run to go on")
+
+
+def test_a_cancel_counts_a_claim_that_raced_it(published) -> None:
+    """A claim that read the run before the cancel request committed, and commits while the
+    cancel runs: the cancel waits for it and counts its live lease, so it does not cancel a
+    step whose body has just started (`store.cancels.LIVE_LEASES` locks before it counts)."""
+    import threading
+
+    import psycopg
+
+    from proj.engine import runs
+    from tests.support.services import pg_url
+
+    ref = runs.enqueue("probe", {"n": 1}, idempotency_key=new_key())
+    step = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
+    sql("UPDATE engine.task_run SET status = 'running' WHERE id = %s", (ref.task_run_id,))  # past its start
+    with psycopg.connect(pg_url()) as claim:  # a worker's claim, not committed yet
+        claim.execute(
+            "UPDATE engine.step SET status = 'running', lease_token = gen_random_uuid(), attempts = 1, "
+            "lease_until = now() + interval '15 seconds' WHERE id = %s",
+            (step,),
+        )
+        canceling = threading.Thread(target=runs.cancel, args=(ref.task_run_id, "raced"))
+        canceling.start()
+        time.sleep(0.5)  # the cancel is past its request, at the steps
+        claim.commit()
+        canceling.join(10)
+        assert not canceling.is_alive()
+    assert scalar("SELECT status FROM engine.step WHERE id = %s", (step,)) == "running"
+    run = sql(
+        "SELECT status, cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = %s",
+        (ref.task_run_id,),
+    )
+    assert run == [("running", True)], "canceled under a step that had just been claimed"

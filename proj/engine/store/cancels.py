@@ -11,7 +11,7 @@ Each function runs the statement named like it in capitals (`cancel_run`: `CANCE
 |---|---|---|
 | `lock_run_to_cancel` | | run row locked |
 | `request_cancel` | run live | `cancel_requested_at` set (kept if set), reason |
-| `live_leases` | | steps running under a live lease (a cancel waits for them) |
+| `live_leases` | open steps locked | steps running under a live lease (a cancel waits for them) |
 | `cancel_open_steps` | steps pending, waiting, running | canceled, lease cleared |
 | `cancel_run` | run live | canceled |
 | `retry_failed_steps` | run failed: its failed/pending steps | pending, fresh attempts |
@@ -50,8 +50,19 @@ REQUEST_CANCEL = text(
     """
 )
 
+# The open steps are locked before they are counted: a claim that raced the cancel (it read the
+# run before the cancel request committed) holds its step's lock until it commits, so it is
+# waited for and counted as live, and no claim can start once they are locked. Counted without
+# the locks, such a step was claimed between the count and `CANCEL_OPEN_STEPS`, which then
+# canceled it under a body that had just started
+# (`tests/integration/test_waits_cancel.py::test_a_cancel_counts_a_claim_that_raced_it`).
 LIVE_LEASES = text(
-    "SELECT count(*) FROM engine.step WHERE run_id = :id AND status = 'running' AND lease_until > now()"
+    """
+    SELECT count(*) FILTER (WHERE status = 'running' AND lease_until > now())
+      FROM (SELECT status, lease_until FROM engine.step
+             WHERE run_id = :id AND status IN ('pending', 'waiting', 'running')
+               FOR UPDATE) AS open
+    """
 )
 
 # A running step's attempt is logged as an orphan (`outcome` NULL): its body is not stopped, and
@@ -143,7 +154,8 @@ def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> bool:
 
 
 def live_leases(s: Session, run_id: uuid.UUID) -> int:
-    """The run's steps running under a live lease: a cancel waits for them to stop."""
+    """The run's steps running under a live lease: a cancel waits for them to stop. Locks the
+    run's open steps until the transaction ends, so none is claimed before they are canceled."""
     return int(s.scalar(LIVE_LEASES, {"id": run_id}) or 0)
 
 
