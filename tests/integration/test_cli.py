@@ -43,7 +43,9 @@ def test_doctor_passes_on_a_healthy_setup() -> None:
     assert code == 0, out
     for name in ("postgres", "broker", "qbittorrent", "schema", "connection budget"):
         assert name in out
-    assert "FAIL" not in out and "all checks passed" in out
+    assert "FAIL" not in out
+    # A warning (no worker answered: none runs here) is not called a pass.
+    assert ("no check failed; " in out) if "WARN" in out else ("all checks passed" in out), out
     assert "at head" in out and "worst case" in out
     autovacuum = scalar("SHOW autovacuum")
     assert ("autovacuum        │ OK" if autovacuum == "on" else "autovacuum        │ WARN") in out, out
