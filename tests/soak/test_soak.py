@@ -354,7 +354,15 @@ def submit(item: Item, webhook: Receiver, engine: CeleryTaskEngine, errors: list
     retrying("request", request, errors)
 
     def approve() -> None:
-        service.approve_and_signal(engine, db.sessions(), item.task_id, "soak")
+        try:
+            service.approve_and_signal(engine, db.sessions(), item.task_id, "soak")
+        except service.RequestConflict:
+            # An earlier try's approval committed and its reply or its signal was lost (a killed
+            # connection, Redis down): the decision stands, only the wake-up is sent again.
+            assert scalar(
+                "SELECT approved_by FROM acq.approval WHERE download_task_id = %s", (item.task_id,)
+            ) == ("soak")
+            engine.signal(service.approval_topic(item.task_id))
 
     retrying("approve", approve, errors)
 
