@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from proj import logs
@@ -529,7 +530,7 @@ def lock_steps() -> None:
     try:
         merged = versions.write_lock(versions.LOCK_PATH)
     except ValueError as exc:  # a locked version's steps changed: a new version is needed
-        errors.print(f"[red]refused: {exc}[/red]")
+        errors.print(f"[red]refused: {escape(str(exc))}[/red]")
         raise typer.Exit(1) from None
     console.print(f"{len(merged)} kind version(s) locked in {versions.LOCK_PATH}")
 
@@ -564,7 +565,7 @@ def main() -> None:
     except Exception as exc:  # typer's own exits and usage errors never reach here
         if os.environ.get("PROJ_TRACEBACK"):
             raise
-        errors.print(f"[red]{error_line(exc)}[/red]", markup=True)
+        errors.print(f"[red]{escape(error_line(exc))}[/red]")
         raise SystemExit(1) from None
 
 
