@@ -88,12 +88,7 @@ def test_a_batch_past_its_budget_hands_the_rest_back(
     from proj.engine import dispatch, protocol
 
     assert protocol.CLAIM_CHUNK == 8
-    key = new_key()
-    park(procs, 16, key)
-    sql("UPDATE engine.task_run SET trace = NULL")
-    ids = parked_wait_steps()
-    sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
-    assert runs.signal(f"approval:{key}") == 16
+    ids = woken_chunk(procs, 16)
     published: list[dispatch.Dispatch] = []  # from here on, recorded instead of sent
     monkeypatch.setattr(dispatch, "publish_after_commit", lambda items: published.extend(items))
     monkeypatch.setenv("INLINE_BUDGET_S", "0")
@@ -160,16 +155,16 @@ def test_overlapping_batches_claim_each_step_once(procs, wake_batch) -> None:
     assert per_step == [2]  # parked once, claimed once after the wake
 
 
-def woken_chunk(procs) -> list[int]:
-    """Eight untraced `gated` runs parked, approved and woken by one signal: their wait steps'
+def woken_chunk(procs, n: int = 8) -> list[int]:
+    """`n` untraced `gated` runs parked, approved and woken by one signal: their wait steps'
     ids, pending, for a test to deliver as one batched message (an earlier test may have set a
     tracer, and a traced attempt rightly takes the ladder)."""
     key = new_key()
-    park(procs, 8, key)
+    park(procs, n, key)
     sql("UPDATE engine.task_run SET trace = NULL")
     ids = parked_wait_steps()
     sql("INSERT INTO testkit.approval (key, approved) VALUES (%s, true)", (key,))
-    assert runs.signal(f"approval:{key}") == 8
+    assert runs.signal(f"approval:{key}") == n
     return ids
 
 
