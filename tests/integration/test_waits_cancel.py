@@ -188,3 +188,60 @@ def test_a_cancel_counts_a_claim_that_raced_it(published) -> None:
         (ref.task_run_id,),
     )
     assert run == [("running", True)], "canceled under a step that had just been claimed"
+
+
+def test_a_cancel_does_not_deadlock_with_a_claim_of_a_waiting_run(published) -> None:
+    """The claim of a waiting run's step locks the step, then the run (`claims.CLAIM`: `started`);
+    a cancel locks the run, then the run's open steps. A cancel that waited for the claim's step
+    lock deadlocked with it (Postgres aborted one of the two after `deadlock_timeout`): the cancel
+    now skips a step another transaction holds, counts it as live, and returns; the claim then
+    takes the run's lock. The sweeper finalizes the cancel once the step's lease is gone."""
+    import threading
+
+    import psycopg
+
+    from proj.engine import runs, sweeper
+    from tests.support.services import pg_url
+
+    ref = runs.enqueue("probe", {"n": 1}, idempotency_key=new_key())
+    run_id = ref.task_run_id
+    step = scalar("SELECT id FROM engine.step WHERE run_id = %s", (run_id,))
+    sql("UPDATE engine.task_run SET status = 'waiting', started_at = now() WHERE id = %s", (run_id,))
+    errors: list[BaseException] = []
+
+    def cancel() -> None:
+        try:
+            runs.cancel(run_id, "raced a wake-up")
+        except BaseException as e:  # noqa: BLE001 -- the test reports it
+            errors.append(e)
+
+    with psycopg.connect(pg_url()) as claim:  # a worker's claim of the woken step, in flight
+        claim.execute(
+            "UPDATE engine.step SET status = 'running', lease_token = gen_random_uuid(), attempts = 1, "
+            "lease_until = now() + interval '15 seconds' WHERE id = %s",
+            (step,),
+        )
+        canceling = threading.Thread(target=cancel)
+        canceling.start()
+        # the cancel either returns, or stops at a lock the claim holds (the old order)
+        wait_for(
+            lambda: (
+                not canceling.is_alive()
+                or scalar("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
+                > 0
+            ),
+            timeout=10,
+        )
+        # the claim's second lock: the run row (`started`); deadlock_timeout is 1 s
+        claim.execute("UPDATE engine.task_run SET status = 'running' WHERE id = %s", (run_id,))
+        claim.commit()
+        canceling.join(10)
+        assert not canceling.is_alive()
+    assert errors == [], f"the cancel failed: {errors!r}"
+    run = sql("SELECT status, cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = %s", (run_id,))
+    assert run == [("running", True)]
+    assert scalar("SELECT status FROM engine.step WHERE id = %s", (step,)) == "running"
+    sql("UPDATE engine.step SET lease_until = now() - interval '1 second' WHERE id = %s", (step,))
+    sweeper.sweep()
+    assert _status(run_id) == "canceled"
+    assert scalar("SELECT status FROM engine.step WHERE id = %s", (step,)) == "canceled"

@@ -11,7 +11,7 @@ Each function runs the statement named like it in capitals (`cancel_run`: `CANCE
 |---|---|---|
 | `lock_run_to_cancel` | | run row locked |
 | `request_cancel` | run live | `cancel_requested_at` set (kept if set), reason |
-| `live_leases` | open steps locked | steps running under a live lease (a cancel waits for them) |
+| `live_leases` | open steps locked, skipping held ones | steps under a live lease or held (a cancel waits) |
 | `cancel_open_steps` | steps pending, waiting, running | canceled, lease cleared |
 | `cancel_run` | run live | canceled |
 | `retry_failed_steps` | run failed: its failed/pending steps | pending, fresh attempts |
@@ -51,17 +51,25 @@ REQUEST_CANCEL = text(
 )
 
 # The open steps are locked before they are counted: a claim that raced the cancel (it read the
-# run before the cancel request committed) holds its step's lock until it commits, so it is
-# waited for and counted as live, and no claim can start once they are locked. Counted without
-# the locks, such a step was claimed between the count and `CANCEL_OPEN_STEPS`, which then
-# canceled it under a body that had just started
+# run before the cancel request committed) holds its step's lock until it commits, so no claim
+# can start on a step once it is locked here, and a step that another transaction holds right now
+# counts as live. Counted without the locks, such a step was claimed between the count and
+# `CANCEL_OPEN_STEPS`, which then canceled it under a body that had just started
 # (`tests/integration/test_waits_cancel.py::test_a_cancel_counts_a_claim_that_raced_it`).
+# The locks are taken with SKIP LOCKED, never waited for: the cancel holds the run row, and a
+# claim of a waiting run's step or a commit holds its step and then waits for the run, so waiting
+# here was a deadlock (`test_a_cancel_does_not_deadlock_with_a_claim_of_a_waiting_run`). A step
+# skipped is in flight; the run is finalized when that step ends, or by the sweeper.
 LIVE_LEASES = text(
     """
-    SELECT count(*) FILTER (WHERE status = 'running' AND lease_until > now())
-      FROM (SELECT status, lease_until FROM engine.step
-             WHERE run_id = :id AND status IN ('pending', 'waiting', 'running')
-               FOR UPDATE) AS open
+    WITH mine AS MATERIALIZED (
+        SELECT id, status, lease_until FROM engine.step
+         WHERE run_id = :id AND status IN ('pending', 'waiting', 'running')
+           FOR UPDATE SKIP LOCKED
+    )
+    SELECT count(*) FILTER (WHERE m.id IS NULL OR (m.status = 'running' AND m.lease_until > now()))
+      FROM engine.step s LEFT JOIN mine m ON m.id = s.id
+     WHERE s.run_id = :id AND s.status IN ('pending', 'waiting', 'running')
     """
 )
 
@@ -154,8 +162,9 @@ def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> bool:
 
 
 def live_leases(s: Session, run_id: uuid.UUID) -> int:
-    """The run's steps running under a live lease: a cancel waits for them to stop. Locks the
-    run's open steps until the transaction ends, so none is claimed before they are canceled."""
+    """The run's steps running under a live lease, or locked by another transaction (a claim or
+    a commit in flight): a cancel waits for them to stop. Locks the run's other open steps until
+    the transaction ends, so none is claimed before they are canceled; never waits for a lock."""
     return int(s.scalar(LIVE_LEASES, {"id": run_id}) or 0)
 
 
