@@ -183,7 +183,10 @@ def cancel(
     reason: str = typer.Option("operator", help="why"),
     by: str = typer.Option(None, help="who cancels (default: your user name)"),
 ) -> None:
-    """Cancel a request (its runs, with compensation) or one run: business first."""
+    """Cancel a request (its runs, with compensation) or one run: business first.
+
+    A request records who canceled it in its audit trail; a run, which has no such field, records
+    it in its cancel reason ("REASON (by WHO)")."""
     from proj import db
     from proj.acquisition import service
     from proj.acquisition.models import DownloadTask
@@ -203,7 +206,7 @@ def cancel(
         errors.print(f"[red]run {ident} has finished ({view.status}): nothing to cancel[/red]")
         raise typer.Exit(1)
     try:
-        runs.cancel(ident, reason)
+        runs.cancel(ident, f"{reason} (by {by or _operator()})")
     except KeyError:
         errors.print(f"[red]no request or run {run_or_request}[/red]")
         raise typer.Exit(1) from None
@@ -473,6 +476,9 @@ def healthcheck(
         "worker", envvar="PROJ_ROLE", help="what this container runs: worker, beat, admin or flower"
     ),
     timeout: float = typer.Option(5.0, min=0.1, help="seconds before it counts as unhealthy"),
+    port: int = typer.Option(
+        None, min=1, max=65535, envvar="PROJ_HEALTH_PORT", help="admin or flower: its port (8088, 5555)"
+    ),
 ) -> None:
     """The Docker HEALTHCHECK: exit 0 when this container's process answers.
 
@@ -496,9 +502,11 @@ def healthcheck(
         ok = bool(app.control.ping(destination=[node], timeout=timeout))
         what = f"worker {node}"
     elif role == "admin":
-        ok, what = http_ok("http://127.0.0.1:8088/admin/healthz"), "admin on :8088"
+        at = port or 8088
+        ok, what = http_ok(f"http://127.0.0.1:{at}/admin/healthz"), f"admin on :{at}"
     elif role == "flower":
-        ok, what = http_ok("http://127.0.0.1:5555/healthcheck"), "flower on :5555"
+        at = port or 5555
+        ok, what = http_ok(f"http://127.0.0.1:{at}/healthcheck"), f"flower on :{at}"
     elif role == "beat":
         from sqlalchemy import text
 

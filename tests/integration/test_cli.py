@@ -137,6 +137,28 @@ def test_runs_show_and_resolve(inproc) -> None:
     assert proj("resolve", "not-a-run", "--retry")[0] == 2
 
 
+def test_runs_finds_a_requests_runs_by_its_id_and_cancel_records_who(published) -> None:
+    """`proj runs -q <request id>` lists the runs whose keys hold it (`acquire:<id>`,
+    `import:<id>`), not only a run of that id; `proj cancel RUN --by` is kept in the reason."""
+    import uuid
+
+    from proj.engine import runs
+
+    request_id = uuid.uuid4()
+    ref = runs.enqueue("probe", {"n": 1}, idempotency_key=f"import:{request_id}")
+    other = runs.enqueue("probe", {"n": 2}, idempotency_key=new_key())
+    code, out = proj("runs", "-q", str(request_id))
+    assert code == 0 and str(ref.task_run_id) in out and str(other.task_run_id) not in out, out
+    code, out = proj("runs", "-q", str(other.task_run_id))  # a run's own id still finds it alone
+    assert str(other.task_run_id) in out and str(ref.task_run_id) not in out, out
+
+    code, out = proj("cancel", str(ref.task_run_id), "--reason", "wrong film", "--by", "alice")
+    assert code == 0, out
+    assert scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == (
+        "wrong film (by alice)"
+    )
+
+
 def test_admin_command_refuses_unsafe_configurations(monkeypatch: pytest.MonkeyPatch) -> None:
     from proj.settings import get_settings
 

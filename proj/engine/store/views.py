@@ -56,7 +56,7 @@ LIST_RUNS = text(
      WHERE (CAST(:kind AS text) IS NULL OR kind = :kind)
        AND (CAST(:version AS int) IS NULL OR version = :version)
        AND (CAST(:status AS text) IS NULL OR status = :status)
-       AND (CAST(:rid AS uuid) IS NULL OR id = :rid OR idempotency_key = :q)
+       AND (CAST(:rid AS uuid) IS NULL OR id = :rid OR idempotency_key LIKE :holding)
        AND (CAST(:pat AS text) IS NULL OR id::text LIKE :prefix OR idempotency_key ILIKE :pat)
      ORDER BY created_at DESC, id
      LIMIT :limit OFFSET :offset
@@ -384,8 +384,9 @@ def list_runs(
     limit: int,
     offset: int = 0,
 ) -> list[RunListRow]:
-    """Runs newest first; None (or an empty `search`): any. `search` is a run id (its runs: that
-    id, or a key equal to it), else a run id's prefix or part of an idempotency key."""
+    """Runs newest first; None (or an empty `search`): any. `search` is a whole id (that run, and
+    the runs whose key holds it: a request's `acquire:<id>` and `import:<id>`), else a run id's
+    prefix or part of an idempotency key."""
     q = search.strip()
     exact = _uuid(q) if q else None
     like = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
@@ -396,7 +397,7 @@ def list_runs(
         "version": version,
         "status": None if status is None else status.value,
         "rid": exact,
-        "q": q,
+        "holding": "%" + like + "%",
         "prefix": like.lower() + "%",
         "pat": "%" + like + "%" if q and exact is None else None,
     }
