@@ -38,7 +38,8 @@ from datetime import date, datetime, timedelta
 from pathlib import PurePath
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import func, select, update
+from sqlalchemy import cast, func, select, update
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -101,9 +102,33 @@ class Attempt:
 def to_json(value: Any, *, what: str) -> Any:
     """The JSON form the ledger stores and returns (UUIDs, datetimes, paths become strings)."""
     try:
-        return json.loads(json.dumps(value, default=_json_default, allow_nan=False))
+        decoded = json.loads(json.dumps(value, default=_json_default, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise BadOperation(f"the {what} must be JSON-serialisable: {exc}") from exc
+    if reason := _unstorable(decoded):
+        raise BadOperation(f"the {what} contains {reason}, which Postgres cannot store")
+    return decoded
+
+
+def _unstorable(value: Any) -> str | None:
+    """Why Postgres could not store this decoded JSON value (or key): text and jsonb refuse a NUL
+    and an unpaired surrogate (a file name decoded with `surrogateescape`)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return "a NUL character"
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return "an unpaired surrogate"
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
 
 
 def _json_default(value: Any) -> Any:
@@ -123,9 +148,22 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
+def _storable(text: str) -> str:
+    """`text` with what Postgres' text and jsonb refuse (NUL, unpaired surrogates) escaped."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _error_payload(exc: BaseException) -> dict[str, Any]:
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<{type(exc).__name__}: str() failed>"
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-4:])
-    return {"type": type(exc).__name__, "message": str(exc)[:2000], "traceback": tb[-3000:]}
+    return {
+        "type": _storable(type(exc).__name__),
+        "message": _storable(message[:2000]),
+        "traceback": _storable(tb[-3000:]),
+    }
 
 
 def _run_fence(fence: Fence | None, s: Session, op_key: str, token: uuid.UUID, action: str) -> None:
@@ -179,8 +217,8 @@ def run_operation(
     Raises `CommitRefused` when this call lost the operation to a newer attempt or its fence;
     the effect's own exceptions propagate (recorded as `last_error`; the next call reconciles).
     """
-    if not isinstance(op_key, str) or not op_key.strip() or len(op_key) > MAX_KEY_LEN:
-        raise BadOperation(f"op key must be 1..{MAX_KEY_LEN} characters, got {op_key!r}")
+    if not isinstance(op_key, str) or not op_key.strip() or len(op_key) > MAX_KEY_LEN or _unstorable(op_key):
+        raise BadOperation(f"op key must be 1..{MAX_KEY_LEN} characters, no NUL, got {op_key!r}")
     plan_json = to_json(plan, what="plan")
     token = uuid.uuid4()
 
@@ -199,11 +237,14 @@ def run_operation(
                 AssetOperation.attempt_token,
                 AssetOperation.attempt_started_at,
                 (func.now() - AssetOperation.attempt_started_at).label("age"),
+                # Compared as jsonb, by Postgres: a float such as 9.540277552637683e16 is stored as
+                # the numeric 95402775526376830 and reads back as another Python number.
+                (AssetOperation.plan == cast(plan_json, JSONB)).label("same_plan"),
             )
             .where(AssetOperation.op_key == op_key)
             .with_for_update()
         ).one()
-        if row.plan != plan_json:
+        if not row.same_plan:
             raise PlanConflict(op_key, row.plan, plan_json)
         if row.status == OperationStatus.DONE:
             return row.result
@@ -223,7 +264,9 @@ def run_operation(
             .where(AssetOperation.op_key == op_key)
             .values(
                 attempt_token=token,
-                attempt_started_at=func.now(),
+                # When the attempt starts, not when its transaction began: a start transaction
+                # that waited for the row lock would otherwise look old to `takeover_after_s`.
+                attempt_started_at=func.clock_timestamp(),
                 attempts=AssetOperation.attempts + 1,
                 run_id=func.coalesce(run_id, AssetOperation.run_id),
                 step=func.coalesce(step, AssetOperation.step),
@@ -289,13 +332,13 @@ def _commit(
                 finished_at=func.now(),
                 updated_at=func.now(),
             )
-            .returning(AssetOperation.op_key)
+            .returning(AssetOperation.result)
         ).first()
         if done is None:
             raise CommitRefused(
                 attempt.op_key, attempt.token, "commit its result", _holder(s, attempt.op_key)
             )
-    return value
+    return done.result  # as stored (jsonb may rewrite a number): the form every later call returns
 
 
 def _check_current(

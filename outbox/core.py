@@ -179,13 +179,24 @@ def add(session: Session, kind: str, idempotency_key: str, payload: Mapping[str,
     return int(event_id)
 
 
+def _storable(text: str) -> str:
+    """`text` with what Postgres' text and jsonb refuse (NUL, unpaired surrogates) escaped."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _error(exc: BaseException, attempt: int) -> dict[str, Any]:
+    """The row's `last_error`: always storable, or recording it would fail the whole batch's
+    commit (the other rows' marks lost, this row's attempts never counted: it would never go dead)."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<{type(exc).__name__}: str() failed>"
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-4:])
     return {
-        "type": type(exc).__name__,
-        "message": str(exc)[:2000],
+        "type": _storable(type(exc).__name__),
+        "message": _storable(message[:2000]),
         "attempt": attempt,
-        "traceback": tb[-3000:],
+        "traceback": _storable(tb[-3000:]),
     }
 
 
