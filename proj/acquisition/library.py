@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import hashlib
 import os
 import shutil
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -61,8 +62,17 @@ def temp_path(dst: Path, token: str) -> Path:
     return dst.with_name(f".{dst.name}.part-{token}")
 
 
-def temp_files(dst: Path) -> list[Path]:
-    return sorted(dst.parent.glob(f".{dst.name}.part-*")) if dst.parent.exists() else []
+def temp_files(dst: Path, keep: Collection[Path] = ()) -> list[Path]:
+    """Every attempt's temp files of `dst`, except the paths in `keep`.
+
+    File names come from torrents (untrusted): `dst`'s name is matched literally (a `[x]` or `*`
+    in it is no pattern), and a torrent may hold a file named like a sibling's temp file
+    (`.a.part-x` next to `a`), which callers pass in `keep` so it is never taken for one.
+    """
+    if not dst.parent.exists():
+        return []
+    kept = set(keep)
+    return sorted(p for p in dst.parent.glob(f".{glob.escape(dst.name)}.part-*") if p not in kept)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -210,9 +220,10 @@ def _advise_sequential(fd: int) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
 
-def remove_temp_files(dst: Path) -> int:
+def remove_temp_files(dst: Path, keep: Collection[Path] = ()) -> int:
+    """Remove `dst`'s temp files (`temp_files`), never a path in `keep`; how many were removed."""
     n = 0
-    for p in temp_files(dst):
+    for p in temp_files(dst, keep):
         p.unlink(missing_ok=True)
         n += 1
     return n

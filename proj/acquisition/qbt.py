@@ -53,5 +53,10 @@ def wait_listed(infohash: str, timeout: float = 15.0) -> Any:
 COMPLETE_STATES = {"uploading", "stalledUP", "pausedUP", "stoppedUP", "queuedUP", "forcedUP", "checkingUP"}
 
 
+def is_managed(t: Any) -> bool:
+    """The torrent carries our tag (qBittorrent lists tags as `a, b`)."""
+    return MANAGED_TAG in [tag.strip() for tag in str(t.tags or "").split(",")]
+
+
 def is_complete(t: Any) -> bool:
     return float(t.progress) >= 1.0 and t.state in COMPLETE_STATES

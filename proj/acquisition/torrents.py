@@ -32,6 +32,9 @@ class TorrentMeta:
     infohash: str
     files: tuple[TorrentFile, ...]
     total_size: int
+    # Multi-file metadata (`info.files`) keeps its folder `<name>/` even when it lists one file
+    # named like the torrent; only single-file metadata (`info.length`) is the file `<name>`.
+    multi_file: bool = False
 
 
 def safe_relative(path: str) -> str:
@@ -75,7 +78,8 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
         t = torf.Torrent.read_stream(io.BytesIO(bytes(data)), validate=False)
         meta_info = t.metainfo["info"]
         name = str(meta_info["name"])
-        if "files" in meta_info:
+        multi = "files" in meta_info
+        if multi:
             raw = [("/".join(_segment(s) for s in f["path"]), int(f["length"])) for f in meta_info["files"]]
         else:
             raw = [(name, int(meta_info["length"]))]
@@ -96,16 +100,16 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
     folders = {p.rsplit("/", i)[0] for p in paths for i in range(1, p.count("/") + 1)}
     if clash := sorted(paths & folders):
         raise BadTorrent(f"{clash[0]!r} is both a file and a folder in the torrent")
-    return TorrentMeta(name, infohash, files, sum(f.size for f in files))
+    return TorrentMeta(name, infohash, files, sum(f.size for f in files), multi_file=multi)
 
 
 def library_rel(meta: TorrentMeta, f: TorrentFile) -> str:
     """A file's path below its task's library folder: `<torrent name>[/<file path>]`."""
-    return meta.name if len(meta.files) == 1 and f.rel_path == meta.name else f"{meta.name}/{f.rel_path}"
+    return f"{meta.name}/{f.rel_path}" if meta.multi_file else meta.name
 
 
 def source_path(meta: TorrentMeta, save_path: Path, f: TorrentFile) -> Path:
-    if len(meta.files) == 1 and f.rel_path == meta.name:
+    if not meta.multi_file:
         return save_path / meta.name
     return save_path / meta.name / f.rel_path
 

@@ -36,6 +36,14 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
 
     def do(att: Attempt) -> dict[str, Any]:
         att.check()
+        found = qbt.find(infohash)
+        if found is not None and not qbt.is_managed(found):
+            # The operator's own (no managed tag): used, never removed by this request's
+            # compensation or seeding goal. A tagged one is ours: an earlier attempt's add that
+            # qBittorrent listed only after that attempt's reconcile looked.
+            return {"infohash": infohash, "adopted": True}
+        if found is not None:
+            return {"infohash": infohash}
         qbt.client().torrents_add(
             torrent_files={f"{infohash}.torrent": task.torrent},
             save_path=str(download_dir()),

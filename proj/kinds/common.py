@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+import ledger
 from proj import db
 from proj.acquisition import service, torrents
 from proj.acquisition.models import DownloadTask
@@ -53,3 +54,17 @@ def library_path(task_id: uuid.UUID, rel: str, root: Path | None = None) -> Path
     """Where a file lands: `<root>/<task id>/<rel>`, never outside `root`."""
     root = root or library_root()
     return inside(root, root / str(task_id) / rel)
+
+
+def torrent_library_paths(task_id: uuid.UUID, meta: torrents.TorrentMeta) -> set[Path]:
+    """Where every file of the torrent lands: none of them is ever a temp file to remove."""
+    return {library_path(task_id, library_rel(meta, f)) for f in meta.files}
+
+
+def torrent_adopted(task_id: uuid.UUID) -> bool:
+    """The task's add found the torrent already in qBittorrent (`acquire.add_torrent`): the task
+    did not add it, so it must not remove it."""
+    with db.transaction() as s:
+        op = ledger.get_operation(s, f"qbt-add:{task_id}")
+        result = op.result if op is not None else None
+    return isinstance(result, dict) and bool(result.get("adopted"))

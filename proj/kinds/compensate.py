@@ -15,7 +15,7 @@ from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, step
-from proj.kinds.common import library_path, library_rel
+from proj.kinds.common import library_path, library_rel, torrent_adopted, torrent_library_paths
 
 
 class CompensateInput(BaseModel):
@@ -43,9 +43,15 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
     if not _torrent_was_added(task.id):
         # Rejected (or canceled) before the add was ever attempted: qBittorrent is not touched.
         return {"skipped": True, "reason": "no torrent was added"}
+    if torrent_adopted(task.id):
+        # It was in qBittorrent before this request's add: not ours to remove (nor its files).
+        return {"skipped": True, "reason": "the torrent was not added by this request"}
 
     def do(att: Attempt) -> dict[str, Any]:
-        if qbt.find(infohash) is not None:
+        t = qbt.find(infohash)
+        if t is not None and not qbt.is_managed(t):  # never a torrent without our tag
+            return {"kept": infohash, "reason": f"not tagged {qbt.MANAGED_TAG}"}
+        if t is not None:
             qbt.client().torrents_pause(torrent_hashes=infohash)
             qbt.client().torrents_delete(delete_files=True, torrent_hashes=infohash)
         return {"removed": infohash}
@@ -73,10 +79,11 @@ def clean_files(ctx: StepContext) -> dict[str, Any]:
     with db.transaction() as s:
         recorded = set(s.scalars(select(LibraryItem.rel_path).where(LibraryItem.download_task_id == task.id)))
     temps = removed = 0
+    files = torrent_library_paths(task.id, meta)  # a file named like a temp file is not one
     for f in meta.files:
         rel = library_rel(meta, f)
         dst = library_path(task.id, rel)
-        temps += library.remove_temp_files(dst)
+        temps += library.remove_temp_files(dst, keep=files)
         if rel not in recorded and dst.exists():
             dst.unlink()
             removed += 1

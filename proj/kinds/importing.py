@@ -23,6 +23,7 @@ from proj.kinds.common import (
     library_rel,
     library_root,
     load_task,
+    torrent_library_paths,
 )
 from proj.settings import get_settings
 
@@ -86,7 +87,8 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             ctx.checkpoint()
             att.check()
 
-        library.remove_temp_files(dst)  # earlier attempts' leftovers; this attempt is current
+        # Earlier attempts' leftovers (this attempt is current), never another file of the torrent.
+        library.remove_temp_files(dst, keep=torrent_library_paths(task.id, torrents.parse(task.torrent)))
         library.check_space(dst.parent, size)  # clear reason now, rather than ENOSPC halfway
         return library.copy_file(
             src,

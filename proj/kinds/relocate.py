@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, field_validator
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from proj import db
 from proj.acquisition import library, service
@@ -39,11 +39,22 @@ def _item(ctx: StepContext) -> LibraryItem:
     return item
 
 
+def _files_of_task(item: LibraryItem, root: Path) -> set[Path]:
+    """The task's library files as they would lie under `root`: never taken for temp files (a
+    torrent may hold `.a.part-x` next to `a`)."""
+    with db.transaction() as s:
+        rels = s.scalars(
+            select(LibraryItem.rel_path).where(LibraryItem.download_task_id == item.download_task_id)
+        )
+        return {library_path(item.download_task_id, rel, root) for rel in rels}
+
+
 def copy(ctx: StepContext) -> dict[str, Any]:
     item = _item(ctx)
     src = library_path(item.download_task_id, item.rel_path, Path(item.root))
     dst = library_path(item.download_task_id, item.rel_path, Path(ctx.input.new_root))
-    if item.root == ctx.input.new_root:
+    # Both are resolved: `/lib/`, `/lib/.` or a symlink to `/lib` name the root the item is in.
+    if src == dst:
         return {
             "path": str(dst),
             "size": item.size,
@@ -60,7 +71,7 @@ def copy(ctx: StepContext) -> dict[str, Any]:
             ctx.checkpoint()
             att.check()
 
-        library.remove_temp_files(dst)
+        library.remove_temp_files(dst, keep=_files_of_task(item, Path(ctx.input.new_root)))
         return library.copy_file(
             src,
             dst,
@@ -89,6 +100,7 @@ def switch(ctx: StepContext) -> dict[str, Any]:
     # the row already points at the new root must still delete the old copy.
     from_root = ctx.result("copy").get("from_root", item.root)
     old = library_path(item.download_task_id, item.rel_path, Path(from_root))
+    new = library_path(item.download_task_id, item.rel_path, Path(ctx.input.new_root))
     with ctx.fenced() as s:
         s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(root=ctx.input.new_root))
         service.event(
@@ -99,9 +111,9 @@ def switch(ctx: StepContext) -> dict[str, Any]:
             root=ctx.input.new_root,
             from_root=from_root,
         )
-    if from_root != ctx.input.new_root:
+    if old != new:  # the same file under another spelling of its root is the only copy
         old.unlink(missing_ok=True)
-        library.remove_temp_files(old)
+        library.remove_temp_files(old, keep=_files_of_task(item, Path(from_root)))
     return {"root": ctx.input.new_root}
 
 

@@ -10,7 +10,7 @@ from proj.acquisition import qbt, service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, sleep_until, step
-from proj.kinds.common import TaskInput
+from proj.kinds.common import TaskInput, torrent_adopted
 
 
 class RetireInput(TaskInput):
@@ -21,9 +21,15 @@ def retire(ctx: StepContext) -> dict[str, Any]:
     with db.transaction() as s:
         task = service.load(s, ctx.input.download_task_id)
     infohash = task.infohash
+    if torrent_adopted(task.id):
+        # It was in qBittorrent before this request's add: its seeding is not ours to end.
+        return {"skipped": "the torrent was not added by this request"}
 
     def do(att: Attempt) -> dict[str, Any]:
-        if qbt.find(infohash) is not None:
+        t = qbt.find(infohash)
+        if t is not None and not qbt.is_managed(t):  # never a torrent without our tag
+            return {"kept": infohash, "reason": f"not tagged {qbt.MANAGED_TAG}"}
+        if t is not None:
             qbt.client().torrents_delete(delete_files=False, torrent_hashes=infohash)
         return {"retired": infohash}
 
