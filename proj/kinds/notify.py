@@ -16,7 +16,13 @@ from proj.kinds.common import TaskInput, load_task
 def post_webhook(ctx: StepContext) -> dict[str, Any]:
     task = load_task(ctx)
     if not task.webhook_url:
-        return {"skipped": "no webhook"}
+        # Nobody to tell, but the request has finished all the same: `notified` is its end (the
+        # admin page stops refreshing, a cancel is refused), not `imported` for ever.
+        skipped = {"skipped": "no webhook"}
+        with ctx.finish(skipped) as s:
+            if service.advance_status(s, task.id, "notified"):
+                service.event(s, task.id, "finished", reason="no webhook to notify")
+        return skipped
     key = f"notify:{task.id}"
     body = {"download_task_id": str(task.id), "title": task.title, "status": "imported"}
 

@@ -171,7 +171,11 @@ def test_import_of_a_multi_file_torrent_whose_only_file_has_the_torrents_name(pr
     assert wait_run(procs, run_id) == "succeeded"
     copied = [p for p in (library_root / str(task_id)).rglob("*") if p.is_file()]
     assert [sha256(p) for p in copied] == [sha256(downloads / "x" / "x")]
-    assert scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)) == "imported"
+    # then `notify` ends it (no webhook here), maybe already
+    assert scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)) in (
+        "imported",
+        "notified",
+    )
 
 
 def test_a_one_file_multi_file_torrent_end_to_end_through_qbittorrent(
@@ -273,3 +277,20 @@ def test_a_tagged_torrent_found_by_the_add_is_ours_and_cancel_removes_it(procs, 
     wait_for(lambda: kind_status("compensate") in ("succeeded", "failed"), 60, what="compensation")
     assert kind_status("compensate") == "succeeded", dump_engine_state()
     wait_for(lambda: swarm.managed.client().torrents_info() == [], 30, what="the torrent removed")
+
+
+def test_a_request_without_a_webhook_finishes_notified_and_cannot_be_canceled(procs, swarm: Swarm) -> None:
+    """With no webhook the notify step has nobody to tell, but the request has finished: it ends
+    `notified` (not `imported` for ever), so a later cancel is refused instead of marking an
+    imported request canceled and removing its seeding torrent."""
+    procs.worker("w1", concurrency=2, env=swarm.worker_env())
+    procs.beat(env=swarm.worker_env())
+    with db.sessions().begin() as s:
+        task_id = service.request_download(s, requester="rita", torrent=swarm.payload.torrent)
+    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
+    wait_for(lambda: kind_status("notify") in ("succeeded", "failed"), 150, what="the notify run")
+    assert kind_status("notify") == "succeeded", dump_engine_state()
+    assert scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)) == "notified"
+    with pytest.raises(service.RequestConflict):
+        service.cancel_download(CeleryTaskEngine(), db.sessions(), task_id, "too late")
+    assert [t.hash for t in swarm.managed.client().torrents_info()] == [swarm.payload.infohash]

@@ -262,7 +262,9 @@ def test_demo_serve_lets_an_operator_request_and_approve_by_curl_and_cli(tmp_pat
             )
             assert approved.returncode == 0, approved.stdout + approved.stderr
             services.wait_for(
-                lambda: api.get(f"/api/requests/{tid}").json()["status"] == "imported", 90, what="import"
+                lambda: api.get(f"/api/requests/{tid}").json()["status"] in ("imported", "notified"),
+                90,
+                what="import",
             )
             files = api.get(f"/api/requests/{tid}").json()["files"]
             assert len(files) == len(PAYLOAD_FILES) and all(f["library"]["sha256"] for f in files)
