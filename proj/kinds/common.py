@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -61,10 +62,12 @@ def torrent_library_paths(task_id: uuid.UUID, meta: torrents.TorrentMeta) -> set
     return {library_path(task_id, library_rel(meta, f)) for f in meta.files}
 
 
-def torrent_adopted(task_id: uuid.UUID) -> bool:
-    """The task's add found the torrent already in qBittorrent (`acquire.add_torrent`): the task
-    did not add it, so it must not remove it."""
+def torrent_add(task_id: uuid.UUID) -> dict[str, Any] | None:
+    """The task's add as the ledger knows it (`acquire.add_torrent`'s op key): None when it was
+    never attempted, else its stored result (empty while it has none). `{"adopted": true}`: the
+    torrent was already in qBittorrent, so the task did not add it and must not remove it."""
     with db.transaction() as s:
         op = ledger.get_operation(s, f"qbt-add:{task_id}")
-        result = op.result if op is not None else None
-    return isinstance(result, dict) and bool(result.get("adopted"))
+        if op is None:
+            return None
+        return op.result if isinstance(op.result, dict) else {}

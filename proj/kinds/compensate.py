@@ -8,14 +8,13 @@ from typing import Any
 from pydantic import BaseModel
 from sqlalchemy import func, select, update
 
-import ledger
 from proj import db
 from proj.acquisition import library, qbt, service, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, step
-from proj.kinds.common import library_path, library_rel, torrent_adopted, torrent_library_paths
+from proj.kinds.common import library_path, library_rel, torrent_add, torrent_library_paths
 
 
 class CompensateInput(BaseModel):
@@ -40,10 +39,11 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
     if task is None:
         return {"skipped": True}
     infohash = task.infohash
-    if not _torrent_was_added(task.id):
+    add = torrent_add(task.id)  # the ledger knows every add we attempted
+    if add is None:
         # Rejected (or canceled) before the add was ever attempted: qBittorrent is not touched.
         return {"skipped": True, "reason": "no torrent was added"}
-    if torrent_adopted(task.id):
+    if add.get("adopted"):
         # It was in qBittorrent before this request's add: not ours to remove (nor its files).
         return {"skipped": True, "reason": "the torrent was not added by this request"}
 
@@ -62,12 +62,6 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
     return effect(
         ctx, f"qbt-remove:{task.id}", {"infohash": infohash}, do, reconcile, effect_kind="qbittorrent"
     )
-
-
-def _torrent_was_added(task_id: uuid.UUID) -> bool:
-    """The ledger knows every add we attempted (`acquire.add_torrent`'s op key)."""
-    with db.transaction() as s:
-        return ledger.get_operation(s, f"qbt-add:{task_id}") is not None
 
 
 def clean_files(ctx: StepContext) -> dict[str, Any]:

@@ -56,9 +56,8 @@ def _already_copied(dst: Path, size: int) -> bool:
     return dst.exists() and dst.stat().st_size == size
 
 
-def _paths(task: DownloadTask, rel_path: str) -> tuple[Path, Path, str]:
+def _paths(task: DownloadTask, meta: torrents.TorrentMeta, rel_path: str) -> tuple[Path, Path, str]:
     """Source in the download folder, destination in the library, and the library-relative path."""
-    meta = torrents.parse(task.torrent)
     f = next(f for f in meta.files if f.rel_path == rel_path)
     rel = library_rel(meta, f)
     return torrents.source_path(meta, download_dir(), f), library_path(task.id, rel), rel
@@ -68,7 +67,9 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
     """One file, once: temp file, chunks (each a cancel/lease checkpoint), fsync, rename."""
     task = load_task(ctx)
     rel_path, size = ctx.item["rel_path"], int(ctx.item["size"])
-    src, dst, rel = _paths(task, rel_path)
+    meta = torrents.parse(task.torrent)
+    src, dst, rel = _paths(task, meta, rel_path)
+    others = torrent_library_paths(task.id, meta)  # never taken for this file's temp files
     plan = {"src": str(src), "dst": str(dst), "size": size}
     last = [0.0]
 
@@ -88,7 +89,7 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             att.check()
 
         # Earlier attempts' leftovers (this attempt is current), never another file of the torrent.
-        library.remove_temp_files(dst, keep=torrent_library_paths(task.id, torrents.parse(task.torrent)))
+        library.remove_temp_files(dst, keep=others)
         library.check_space(dst.parent, size)  # clear reason now, rather than ENOSPC halfway
         return library.copy_file(
             src,

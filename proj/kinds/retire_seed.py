@@ -10,7 +10,7 @@ from proj.acquisition import qbt, service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, sleep_until, step
-from proj.kinds.common import TaskInput, torrent_adopted
+from proj.kinds.common import TaskInput, torrent_add
 
 
 class RetireInput(TaskInput):
@@ -21,7 +21,7 @@ def retire(ctx: StepContext) -> dict[str, Any]:
     with db.transaction() as s:
         task = service.load(s, ctx.input.download_task_id)
     infohash = task.infohash
-    if torrent_adopted(task.id):
+    if (torrent_add(task.id) or {}).get("adopted"):
         # It was in qBittorrent before this request's add: its seeding is not ours to end.
         return {"skipped": "the torrent was not added by this request"}
 

@@ -224,6 +224,21 @@ def kind_status(kind: str) -> str | None:
     return scalar("SELECT status FROM engine.task_run WHERE kind = %s", (kind,))
 
 
+def wait_add_done(task_id: uuid.UUID) -> None:
+    op = f"qbt-add:{task_id}"
+    wait_for(
+        lambda: scalar("SELECT status FROM ledger.asset_operation WHERE op_key = %s", (op,)) == "done",
+        60,
+        what="the add",
+    )
+
+
+def cancel_and_compensate(task_id: uuid.UUID) -> None:
+    service.cancel_download(CeleryTaskEngine(), db.sessions(), task_id, "user")
+    wait_for(lambda: kind_status("compensate") in ("succeeded", "failed"), 60, what="compensation")
+    assert kind_status("compensate") == "succeeded", dump_engine_state()
+
+
 def operators_torrent_intact(swarm: Swarm) -> None:
     client = swarm.managed.client()
     assert [t.hash for t in client.torrents_info()] == [swarm.payload.infohash], "the operator's torrent"
@@ -233,17 +248,8 @@ def operators_torrent_intact(swarm: Swarm) -> None:
 def test_cancel_does_not_remove_a_torrent_the_task_did_not_add(procs, swarm: Swarm) -> None:
     """Canceling the request must not remove the operator's torrent, nor delete its files."""
     task_id = operators_torrent_then_request(procs, swarm)
-    wait_for(
-        lambda: (
-            scalar("SELECT status FROM ledger.asset_operation WHERE op_key = %s", (f"qbt-add:{task_id}",))
-            == "done"
-        ),
-        60,
-        what="the add",
-    )
-    service.cancel_download(CeleryTaskEngine(), db.sessions(), task_id, "user")
-    wait_for(lambda: kind_status("compensate") in ("succeeded", "failed"), 60, what="compensation")
-    assert kind_status("compensate") == "succeeded", dump_engine_state()
+    wait_add_done(task_id)
+    cancel_and_compensate(task_id)
     operators_torrent_intact(swarm)
 
 
@@ -263,19 +269,10 @@ def test_a_tagged_torrent_found_by_the_add_is_ours_and_cancel_removes_it(procs, 
     from proj.acquisition import qbt
 
     task_id = operators_torrent_then_request(procs, swarm, tags=qbt.MANAGED_TAG)
-    wait_for(
-        lambda: (
-            scalar("SELECT status FROM ledger.asset_operation WHERE op_key = %s", (f"qbt-add:{task_id}",))
-            == "done"
-        ),
-        60,
-        what="the add",
-    )
+    wait_add_done(task_id)
     result = scalar("SELECT result FROM ledger.asset_operation WHERE op_key = %s", (f"qbt-add:{task_id}",))
     assert not result.get("adopted"), result
-    service.cancel_download(CeleryTaskEngine(), db.sessions(), task_id, "user")
-    wait_for(lambda: kind_status("compensate") in ("succeeded", "failed"), 60, what="compensation")
-    assert kind_status("compensate") == "succeeded", dump_engine_state()
+    cancel_and_compensate(task_id)
     wait_for(lambda: swarm.managed.client().torrents_info() == [], 30, what="the torrent removed")
 
 
