@@ -126,6 +126,19 @@ def find(kind: str, idempotency_key: str) -> TaskRunView | None:
     return get(found[0].id) if found else None
 
 
+def live_ahead(run_id: uuid.UUID) -> uuid.UUID | None:
+    """The oldest live (pending, running, waiting) run of the same kind and `concurrency_key`
+    enqueued before `run_id`, or None when it is first in line.
+
+    Why: a kind whose runs of one key must not overlap from first step to last (two relocates
+    of one library item) asks this at its first step and refuses to start behind another.
+    `concurrency_limit` counts running steps, so it cannot serialize whole runs. Proof:
+    `tests/integration/test_relocate_overlap.py`.
+    """
+    with db.transaction() as s:
+        return store_runs.live_ahead(s, run_id)
+
+
 def _parked(row: store_runs.RunViewRow) -> bool:
     """Waiting on a signal or timer: a woken run shows `waiting` until its step is claimed, but
     its step is pending then (`due_at`), not parked."""

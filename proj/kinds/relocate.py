@@ -1,4 +1,11 @@
-"""`relocate`: move a library item to another root — a large, cancellable copy, then a switch."""
+"""`relocate`: move a library item to another root — a large, cancellable copy, then a switch.
+
+One relocate of an item at a time: runs carry the item as their concurrency key, and a run whose
+copy finds an earlier one still live fails at once, naming it (`runs.live_ahead`). Two moves at
+once could otherwise leave the row pointing at a root whose file the other deleted. The switch
+is also a compare-and-set on the root the copy started from, so a move it did not see (a failed
+run retried by hand) is refused, not overwritten. Proof: `tests/integration/test_relocate_overlap.py`.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,15 @@ from typing import Any
 
 from pydantic import BaseModel, field_validator
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from proj import db
 from proj.acquisition import library, service
 from proj.acquisition.models import LibraryItem
+from proj.engine import runs
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.kinds.common import library_path
 from proj.settings import get_settings
@@ -49,7 +59,18 @@ def _files_of_task(item: LibraryItem, root: Path) -> set[Path]:
         return {library_path(item.download_task_id, rel, root) for rel in rels}
 
 
+def _first_in_line(ctx: StepContext) -> None:
+    """Refuse to start behind another live relocate of the same item (enqueued earlier)."""
+    ahead = runs.live_ahead(ctx.run_id)
+    if ahead is not None:
+        raise NonRetryable(
+            f"library item {ctx.input.library_item_id} is being relocated by run {ahead}: "
+            "one relocate of an item at a time; enqueue this one again when that run has ended"
+        )
+
+
 def copy(ctx: StepContext) -> dict[str, Any]:
+    _first_in_line(ctx)
     item = _item(ctx)
     src = library_path(item.download_task_id, item.rel_path, Path(item.root))
     dst = library_path(item.download_task_id, item.rel_path, Path(ctx.input.new_root))
@@ -102,19 +123,40 @@ def switch(ctx: StepContext) -> dict[str, Any]:
     old = library_path(item.download_task_id, item.rel_path, Path(from_root))
     new = library_path(item.download_task_id, item.rel_path, Path(ctx.input.new_root))
     with ctx.fenced() as s:
-        s.execute(update(LibraryItem).where(LibraryItem.id == item.id).values(root=ctx.input.new_root))
-        service.event(
-            s,
-            item.download_task_id,
-            "relocated",
-            rel_path=item.rel_path,
-            root=ctx.input.new_root,
-            from_root=from_root,
+        moved = _switch_root(s, item.id, from_root, ctx.input.new_root)
+        if moved:  # once: a retry after this commit finds the row moved already
+            service.event(
+                s,
+                item.download_task_id,
+                "relocated",
+                rel_path=item.rel_path,
+                root=ctx.input.new_root,
+                from_root=from_root,
+            )
+        current = s.scalar(select(LibraryItem.root).where(LibraryItem.id == item.id))
+    if not moved and current != ctx.input.new_root:
+        # Moved by someone else since our copy began: the row is theirs; our copy is nobody's.
+        here = library_path(item.download_task_id, item.rel_path, Path(str(current)))
+        if new != here:
+            new.unlink(missing_ok=True)
+        raise NonRetryable(
+            f"library item {item.id} was moved to {current} while this run copied it from "
+            f"{from_root}: the switch to {ctx.input.new_root} is refused"
         )
     if old != new:  # the same file under another spelling of its root is the only copy
         old.unlink(missing_ok=True)
         library.remove_temp_files(old, keep=_files_of_task(item, Path(from_root)))
     return {"root": ctx.input.new_root}
+
+
+def _switch_root(s: Session, item_id: int, from_root: str, new_root: str) -> bool:
+    """Point the row at `new_root` if it still points at `from_root`; True if it landed."""
+    done = s.execute(
+        update(LibraryItem)
+        .where(LibraryItem.id == item_id, LibraryItem.root == from_root)
+        .values(root=new_root)
+    )
+    return bool(done.rowcount == 1)
 
 
 RELOCATE = register(
@@ -124,6 +166,8 @@ RELOCATE = register(
         retry=RetryPolicy.file(),
         input_model=RelocateInput,
         canvas=(step("copy", copy), step("switch", switch)),
+        # Not a limit (none is set): the key orders an item's relocates for `runs.live_ahead`.
+        concurrency_key=lambda inp: f"library-item:{inp.library_item_id}",
         description="move a library item to another root (cancellable chunked copy)",
     )
 )

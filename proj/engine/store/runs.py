@@ -9,6 +9,7 @@ one. `(kind, idempotency_key)` is unique for all time (invariant 5), so a pair n
 |---|---|
 | `view` (`VIEW`) | one run, with what its current stage's steps say, and the database's clock |
 | `find_by_keys` (`FIND_BY_KEYS`) | the runs named by `(kind, idempotency_key)` pairs |
+| `live_ahead` (`LIVE_AHEAD`) | the oldest live run of a run's kind and concurrency key enqueued before it |
 """
 
 from __future__ import annotations
@@ -127,3 +128,28 @@ def find_by_keys(s: Session, pairs: Sequence[tuple[str, str]]) -> list[RunByKey]
     return [
         RunByKey(r.id, r.kind, r.idempotency_key, r.version, RunStatus(r.status), r.created_at) for r in rows
     ]
+
+
+# Runs of one kind and concurrency key in the order they were enqueued (`created_at`, then `id`
+# for runs enqueued in one transaction): the first still live before `:run`, if any. Statuses
+# only move from live to terminal, so two runs never both see the other ahead.
+LIVE_AHEAD = text(
+    """
+    SELECT o.id
+      FROM engine.task_run me
+      JOIN engine.task_run o
+        ON o.kind = me.kind AND o.concurrency_key = me.concurrency_key
+     WHERE me.id = :run
+       AND o.status IN ('pending', 'running', 'waiting')
+       AND (o.created_at, o.id) < (me.created_at, me.id)
+     ORDER BY o.created_at, o.id
+     LIMIT 1
+    """
+)
+
+
+def live_ahead(s: Session, run_id: uuid.UUID) -> uuid.UUID | None:
+    """The oldest live run of `run_id`'s kind and concurrency key enqueued before it (None: it
+    is first in line, or has no concurrency key)."""
+    found: uuid.UUID | None = s.scalar(LIVE_AHEAD, {"run": run_id})
+    return found
