@@ -28,7 +28,12 @@ def flag(s: Any, kind: str, subject: str, **detail: Any) -> None:
 
 def reconcile(ctx: StepContext) -> dict[str, int]:
     """Flag strangers, resume paused downloads, wake runs whose download already finished,
-    flag tasks whose torrent vanished."""
+    flag tasks whose torrent vanished.
+
+    A task may download through a torrent the operator added before it (untagged: adopted by
+    `acquire.add_torrent`). It is looked up by its hash, so it is not flagged missing; it is woken
+    when complete, but never resumed: the operator paused it (proof:
+    `tests/integration/test_reconcile_adopted.py`)."""
     torrents = {t.hash.lower(): t for t in qbt.client().torrents_info(tag=qbt.MANAGED_TAG)}
     with db.transaction() as s:
         active = s.execute(
@@ -42,21 +47,30 @@ def reconcile(ctx: StepContext) -> dict[str, int]:
         for infohash in torrents.keys() - known:
             flag(s, "unknown_torrent", infohash, name=torrents[infohash].name)
             counts["unknown"] += 1
+        adopted = _untagged(sorted({infohash for _, infohash, _ in active} - torrents.keys()))
         wake: list[str] = []
         for task_id, infohash, status in active:
-            t = torrents.get(infohash)
+            t = torrents.get(infohash) or adopted.get(infohash)
             if t is None:
                 if status == "downloading":
                     flag(s, "missing_torrent", str(task_id), infohash=infohash)
                     counts["missing"] += 1
             elif qbt.is_complete(t):
                 wake.append(infohash)
-            elif t.state in ("pausedDL", "stoppedDL"):
+            elif t.state in ("pausedDL", "stoppedDL") and infohash in torrents:
                 qbt.client().torrents_resume(torrent_hashes=infohash)
                 counts["resumed"] += 1
     for infohash in wake:
         counts["woken"] += runs.signal(service.download_topic(infohash))
     return counts
+
+
+def _untagged(infohashes: list[str]) -> dict[str, Any]:
+    """The torrents among `infohashes` that qBittorrent lists without our tag, by hash."""
+    if not infohashes:
+        return {}
+    listed = qbt.client().torrents_info(torrent_hashes="|".join(infohashes))
+    return {t.hash.lower(): t for t in listed if not qbt.is_managed(t)}
 
 
 RECONCILE_DOWNLOADS = register(
