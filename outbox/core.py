@@ -158,25 +158,33 @@ def add(session: Session, kind: str, idempotency_key: str, payload: Mapping[str,
     value, size = _to_json(payload)
     if size > MAX_PAYLOAD_BYTES:
         raise BadEvent(f"outbox payload is {size} bytes, limit {MAX_PAYLOAD_BYTES}")
-    event_id = session.scalar(
-        pg_insert(OutboxEvent)
-        .values(kind=kind, idempotency_key=idempotency_key, payload=value, trace=tracing.carrier())
-        .on_conflict_do_nothing(index_elements=[OutboxEvent.kind, OutboxEvent.idempotency_key])
-        .returning(OutboxEvent.id)
-    )
-    if event_id is None:
+    # Two tries: a purge may delete the conflicting (dispatched) row between the insert and the
+    # read; the second insert then lands. Re-dispatching a purged key is harmless (see
+    # `purge_dispatched`). Proof: `tests/integration/test_outbox.py::
+    # test_add_of_a_key_purged_between_its_insert_and_its_read_adds_it_again`.
+    for _ in range(2):
+        event_id = session.scalar(
+            pg_insert(OutboxEvent)
+            .values(kind=kind, idempotency_key=idempotency_key, payload=value, trace=tracing.carrier())
+            .on_conflict_do_nothing(index_elements=[OutboxEvent.kind, OutboxEvent.idempotency_key])
+            .returning(OutboxEvent.id)
+        )
+        if event_id is not None:
+            nudge.arm(session)
+            return int(event_id)
         # Compared as jsonb, by Postgres: a float such as 9.540277552637683e16 is stored as the
         # numeric 95402775526376830 and reads back as another Python number.
         existing = session.execute(
             select(OutboxEvent.id, (OutboxEvent.payload == cast(value, JSONB)).label("same")).where(
                 OutboxEvent.kind == kind, OutboxEvent.idempotency_key == idempotency_key
             )
-        ).one()
+        ).one_or_none()
+        if existing is None:
+            continue
         if not existing.same:
             raise OutboxConflict(kind, idempotency_key, existing.id)
         return int(existing.id)
-    nudge.arm(session)
-    return int(event_id)
+    raise RuntimeError(f"outbox event ({kind}, {idempotency_key}) neither inserted nor found twice")
 
 
 def _storable(text: str) -> str:

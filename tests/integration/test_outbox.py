@@ -146,6 +146,43 @@ def test_add_is_idempotent_and_validates(nudges) -> None:
     assert sql("SELECT idempotency_key, payload FROM outbox.outbox_event") == [(key, {"n": 1})]
 
 
+def test_add_of_a_key_purged_between_its_insert_and_its_read_adds_it_again(nudges) -> None:
+    """`add` of a key whose dispatched row exists: the insert does nothing, then the row is read
+    back. A purge committed between those two statements (forced here, on the real database)
+    left the read empty, and `add` raised `NoResultFound` inside the caller's transaction. Now
+    the insert is tried again and lands: the purged key is pending once more (its run was
+    enqueued idempotently, so dispatching it again enqueues the same run)."""
+    from sqlalchemy import event
+
+    key = new_key()
+    with db.transaction() as s:
+        first = outbox.add(s, "probe", key, {"n": 1})
+    assert sql(
+        "UPDATE outbox.outbox_event SET status = 'dispatched', dispatched_at = now() - interval '1 hour' "
+        "WHERE id = %s RETURNING id",
+        (first,),
+    ) == [(first,)]
+    purged: list[int] = []
+
+    def purge_before_the_read(conn, cursor, statement: str, *_: object) -> None:  # noqa: ANN001
+        if not purged and statement.lstrip().upper().startswith("SELECT") and "outbox_event" in statement:
+            with db.transaction() as other:  # another connection: commits before the read runs
+                purged.append(outbox.purge_dispatched(other, 60))
+
+    with db.transaction() as s:
+        bind = s.get_bind()
+        event.listen(bind, "before_cursor_execute", purge_before_the_read)
+        try:
+            again = outbox.add(s, "probe", key, {"n": 1})
+        finally:
+            event.remove(bind, "before_cursor_execute", purge_before_the_read)
+    assert purged == [1], "the purge did not run between the insert and the read"
+    assert again != first
+    assert sql("SELECT id, status FROM outbox.outbox_event WHERE idempotency_key = %s", (key,)) == [
+        (again, "pending")
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 # dispatch
 
