@@ -50,6 +50,17 @@ def wait_listed(infohash: str, timeout: float = 15.0) -> Any:
     return t
 
 
+def wait_unlisted(infohash: str, timeout: float = 15.0) -> None:
+    """After a delete: wait until qBittorrent no longer lists the torrent."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while find(infohash) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"qBittorrent still lists {infohash} after deleting it")
+        time.sleep(0.1)
+
+
 COMPLETE_STATES = {"uploading", "stalledUP", "pausedUP", "stoppedUP", "queuedUP", "forcedUP", "checkingUP"}
 
 

@@ -14,7 +14,7 @@ from proj.acquisition.models import Approval, DownloadTask
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, step, wait_for
-from proj.kinds.common import TaskInput, download_dir, load_task
+from proj.kinds.common import TaskInput, download_dir, load_task, torrent_decision
 from proj.settings import get_settings
 
 
@@ -36,21 +36,26 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
 
     def do(att: Attempt) -> dict[str, Any]:
         att.check()
-        found = qbt.find(infohash)
-        if found is not None and not qbt.is_managed(found):
-            # The operator's own (no managed tag): used, never removed by this request's
-            # compensation or seeding goal. A tagged one is ours: an earlier attempt's add that
-            # qBittorrent listed only after that attempt's reconcile looked.
-            return {"infohash": infohash, "adopted": True}
-        if found is not None:
-            return {"infohash": infohash}
-        qbt.client().torrents_add(
-            torrent_files={f"{infohash}.torrent": task.torrent},
-            save_path=str(download_dir()),
-            tags=qbt.MANAGED_TAG,
-            use_auto_torrent_management=False,
-        )
-        qbt.wait_listed(infohash)
+        # Under the infohash's lock: a torrent found here is not being removed by another
+        # request's cancel or seeding goal (`common.release_torrent` waits for us, or we for it).
+        with torrent_decision(infohash):
+            found = qbt.find(infohash)
+            if found is not None and not qbt.is_managed(found):
+                # The operator's own (no managed tag): used, never removed by this request's
+                # compensation or seeding goal. A tagged one is ours: an earlier attempt's add
+                # that qBittorrent listed only after that attempt's reconcile looked, or another
+                # request's for the same infohash, which we now share (`common.other_holders`:
+                # the last holder to let go removes it).
+                return {"infohash": infohash, "adopted": True}
+            if found is not None:
+                return {"infohash": infohash}
+            qbt.client().torrents_add(
+                torrent_files={f"{infohash}.torrent": task.torrent},
+                save_path=str(download_dir()),
+                tags=qbt.MANAGED_TAG,
+                use_auto_torrent_management=False,
+            )
+            qbt.wait_listed(infohash)
         return {"infohash": infohash}
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:

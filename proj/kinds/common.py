@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 import ledger
 from proj import db
-from proj.acquisition import service, torrents
+from proj.acquisition import qbt, service, torrents
 from proj.acquisition.models import DownloadTask
 from proj.engine.context import StepContext
 from proj.engine.errors import CancelRequested
@@ -71,3 +75,81 @@ def torrent_add(task_id: uuid.UUID) -> dict[str, Any] | None:
         if op is None:
             return None
         return op.result if isinstance(op.result, dict) else {}
+
+
+# ------------------------------------------------------------------ a torrent shared by requests
+
+# Every decision about one infohash in qBittorrent (find-and-add, decide-and-remove) is taken
+# under this lock, held by the transaction open around it (`torrent_decision`).
+LOCK_TORRENT = text("SELECT pg_advisory_xact_lock(hashtextextended('torrent:' || :infohash, 0))")
+
+# The other requests holding the torrent: their add was attempted (the ledger op exists; its row
+# commits before its effect runs), they are not closed (rejected, canceling, canceled), and they
+# have not let it go (their compensation's remove or their seeding goal's retire was attempted).
+OTHER_HOLDERS = text(
+    """
+    SELECT t.id FROM acq.download_task t
+     WHERE t.infohash = :infohash
+       AND t.id <> :task_id
+       AND t.status <> ALL (CAST(:closed AS text[]))
+       AND EXISTS (SELECT 1 FROM ledger.asset_operation a WHERE a.op_key = 'qbt-add:' || t.id::text)
+       AND NOT EXISTS (
+            SELECT 1 FROM ledger.asset_operation r
+             WHERE r.op_key IN ('qbt-remove:' || t.id::text, 'qbt-retire:' || t.id::text))
+     ORDER BY t.created_at, t.id
+    """
+)
+
+
+@contextmanager
+def torrent_decision(infohash: str) -> Iterator[Session]:
+    """A transaction holding the infohash's advisory lock, open around qBittorrent calls.
+
+    Why: two requests may carry the same infohash and share one torrent. Without the lock, one
+    request's add could find the torrent just before another's cancel deletes it (with its data),
+    or a cancel could miss a holder whose add is under way. With it, an add either finds the
+    torrent that stays, or waits and adds it afresh after the delete
+    (`tests/integration/test_shared_torrent.py`).
+    """
+    with db.transaction() as s:
+        s.execute(LOCK_TORRENT, {"infohash": infohash})
+        yield s
+
+
+def other_holders(s: Session, task_id: uuid.UUID, infohash: str) -> list[uuid.UUID]:
+    """The other requests that still hold this infohash's torrent (`OTHER_HOLDERS`), oldest first.
+
+    Why: a torrent two requests share must stay while either still downloads, imports or seeds
+    it; only the last to let go removes it. Read under `torrent_decision`'s lock: a holder's
+    ledger row commits before its add takes the lock, and a releaser's before its remove does,
+    so of two releasing at once the later always sees the other gone
+    (`tests/integration/test_shared_torrent.py`).
+    """
+    closed = [str(c) for c in service.CLOSED]
+    rows = s.execute(OTHER_HOLDERS, {"infohash": infohash, "task_id": task_id, "closed": closed})
+    return [uuid.UUID(str(r.id)) for r in rows]
+
+
+def release_torrent(task_id: uuid.UUID, infohash: str, *, delete_files: bool) -> str | None:
+    """Remove the task's torrent from qBittorrent (its download data too with `delete_files`),
+    unless it is not ours (no managed tag) or another request still holds it; returns why it was
+    kept, or None once it is gone.
+
+    Why: the cancel of one request (`compensate.remove_torrent`, which deletes the data) or its
+    seeding goal (`retire_seed.retire`) must not remove a torrent another request still uses
+    (`tests/integration/test_shared_torrent.py`). The delete waits until qBittorrent no longer
+    lists it, still under the lock: an add after it finds nothing and adds afresh.
+    """
+    with torrent_decision(infohash) as s:
+        t = qbt.find(infohash)
+        if t is not None and not qbt.is_managed(t):  # never a torrent without our tag
+            return f"not tagged {qbt.MANAGED_TAG}"
+        holders = other_holders(s, task_id, infohash)
+        if holders:
+            return f"held by request {holders[0]}"
+        if t is not None:
+            if delete_files:
+                qbt.client().torrents_pause(torrent_hashes=infohash)
+            qbt.client().torrents_delete(delete_files=delete_files, torrent_hashes=infohash)
+            qbt.wait_unlisted(infohash)
+    return None

@@ -14,7 +14,13 @@ from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, step
-from proj.kinds.common import library_path, library_rel, torrent_add, torrent_library_paths
+from proj.kinds.common import (
+    library_path,
+    library_rel,
+    release_torrent,
+    torrent_add,
+    torrent_library_paths,
+)
 
 
 class CompensateInput(BaseModel):
@@ -34,7 +40,8 @@ def _task(ctx: StepContext) -> DownloadTask | None:
 
 
 def remove_torrent(ctx: StepContext) -> dict[str, Any]:
-    """Pause-and-remove with its partial data; reconcile: the infohash is gone."""
+    """Pause-and-remove with its partial data, unless another request still holds the torrent
+    (`common.release_torrent`); reconcile: the infohash is gone (else decide again)."""
     task = _task(ctx)
     if task is None:
         return {"skipped": True}
@@ -48,13 +55,10 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
         return {"skipped": True, "reason": "the torrent was not added by this request"}
 
     def do(att: Attempt) -> dict[str, Any]:
-        t = qbt.find(infohash)
-        if t is not None and not qbt.is_managed(t):  # never a torrent without our tag
-            return {"kept": infohash, "reason": f"not tagged {qbt.MANAGED_TAG}"}
-        if t is not None:
-            qbt.client().torrents_pause(torrent_hashes=infohash)
-            qbt.client().torrents_delete(delete_files=True, torrent_hashes=infohash)
-        return {"removed": infohash}
+        # Kept while another request holds it (or it is not tagged ours): this request's own
+        # library files still go (`clean_files`), the torrent's download data stays.
+        kept = release_torrent(task.id, infohash, delete_files=True)
+        return {"kept": infohash, "reason": kept} if kept else {"removed": infohash}
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
         return Done({"removed": infohash}) if qbt.find(infohash) is None else NotDone("still there")

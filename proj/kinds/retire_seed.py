@@ -10,7 +10,7 @@ from proj.acquisition import qbt, service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, sleep_until, step
-from proj.kinds.common import TaskInput, torrent_add
+from proj.kinds.common import TaskInput, release_torrent, torrent_add
 
 
 class RetireInput(TaskInput):
@@ -18,6 +18,8 @@ class RetireInput(TaskInput):
 
 
 def retire(ctx: StepContext) -> dict[str, Any]:
+    """Remove the torrent (keep its data) unless another request still holds it
+    (`common.release_torrent`); reconcile: the infohash is gone (else decide again)."""
     with db.transaction() as s:
         task = service.load(s, ctx.input.download_task_id)
     infohash = task.infohash
@@ -26,12 +28,9 @@ def retire(ctx: StepContext) -> dict[str, Any]:
         return {"skipped": "the torrent was not added by this request"}
 
     def do(att: Attempt) -> dict[str, Any]:
-        t = qbt.find(infohash)
-        if t is not None and not qbt.is_managed(t):  # never a torrent without our tag
-            return {"kept": infohash, "reason": f"not tagged {qbt.MANAGED_TAG}"}
-        if t is not None:
-            qbt.client().torrents_delete(delete_files=False, torrent_hashes=infohash)
-        return {"retired": infohash}
+        # Kept while another request still holds it (or it is not tagged ours).
+        kept = release_torrent(task.id, infohash, delete_files=False)
+        return {"kept": infohash, "reason": kept} if kept else {"retired": infohash}
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
         return Done({"retired": infohash}) if qbt.find(infohash) is None else NotDone("seeding")
@@ -40,7 +39,8 @@ def retire(ctx: StepContext) -> dict[str, Any]:
         ctx, f"qbt-retire:{task.id}", {"infohash": infohash}, do, reconcile, effect_kind="qbittorrent"
     )
     with ctx.fenced() as s:
-        service.event(s, task.id, "seeding retired", infohash=infohash)
+        kept = {"kept": result["reason"]} if "kept" in result else {}
+        service.event(s, task.id, "seeding retired", infohash=infohash, **kept)
     return result
 
 
