@@ -92,7 +92,11 @@ def mark_compensated(ctx: StepContext) -> dict[str, Any]:
     task = _task(ctx)
     if task is None:
         return {"skipped": True}
-    with ctx.fenced() as s:
+    result = {"status": "canceled"}
+    # The event and the step's result commit together: a worker killed between two commits
+    # would run the step again and write the event twice
+    # (`tests/integration/test_events_once.py::test_compensated_once_after_a_lost_step_commit`).
+    with ctx.finish(result) as s:
         # A rejected request keeps saying so; anything else ends `canceled`.
         s.execute(
             update(DownloadTask)
@@ -100,7 +104,7 @@ def mark_compensated(ctx: StepContext) -> dict[str, Any]:
             .values(status=service.RequestStatus.CANCELED, updated_at=func.now())
         )
         service.event(s, task.id, "compensated", run_id=str(ctx.input.run_id), kind=ctx.input.kind)
-    return {"status": "canceled"}
+    return result
 
 
 COMPENSATE = register(

@@ -38,7 +38,10 @@ def retire(ctx: StepContext) -> dict[str, Any]:
     result = effect(
         ctx, f"qbt-retire:{task.id}", {"infohash": infohash}, do, reconcile, effect_kind="qbittorrent"
     )
-    with ctx.fenced() as s:
+    # The event and the step's result commit together: a worker killed between two commits
+    # would run the step again and write the event twice
+    # (`tests/integration/test_events_once.py::test_seeding_retired_once_after_a_lost_step_commit`).
+    with ctx.finish(result) as s:
         kept = {"kept": result["reason"]} if "kept" in result else {}
         service.event(s, task.id, "seeding retired", infohash=infohash, **kept)
     return result
