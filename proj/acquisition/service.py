@@ -324,7 +324,11 @@ def cancel_download(
 
     Canceling a request that is already closed (rejected, canceled) raises `RequestConflict`;
     one that already finished (`notified`) has nothing left to stop and raises it too.
+    `BadInput` for an empty or unstorable `by` or `reason`, before anything is written.
     """
+    check_reason(reason)
+    if by is not None:
+        check_actor(by)
     with session_factory.begin() as s:
         task = load(s, task_id, lock=True)
         if task.status in CLOSED:
@@ -403,6 +407,8 @@ def list_requests(
 ) -> list[RequestRow]:
     """Newest first, optionally one status and/or one requester (index `status, created_at`)."""
     wanted = parse_status(status)
+    if requester and not _storable(requester):
+        raise BadInput("requester must not contain NUL characters or unpaired surrogates")
     q = select(DownloadTask).order_by(DownloadTask.created_at.desc(), DownloadTask.id)
     if wanted is not None:
         q = q.where(DownloadTask.status == wanted)

@@ -18,8 +18,20 @@ import secrets
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Header, HTTPException, Query, Request, UploadFile
+from fastapi import (
+    APIRouter,
+    Depends,
+    File,
+    Form,
+    Header,
+    HTTPException,
+    Query,
+    Request,
+    Security,
+    UploadFile,
+)
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field, SecretStr
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -116,7 +128,21 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ApiError, "description": "missing or wrong bearer token"},
     404: {"model": ApiError, "description": "no such request"},
     409: {"model": ApiError, "description": "conflicts with the request's state or key"},
+    413: {"model": ApiError, "description": "a body over 64 KiB"},
 }
+
+
+def answers(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers one route can give (401 is on every route), for its schema."""
+    return {c: ERRORS[c] for c in (401, *codes)}
+
+
+class ApiRefusal(HTTPException):
+    """An HTTPException answered as `ApiError` (`detail` and `error`) by the app's handler."""
+
+    def __init__(self, status: int, detail: str, error: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, detail, headers)
+        self.error = error
 
 
 def error(status: int, exc: BaseException | str, kind: str | None = None) -> JSONResponse:
@@ -139,12 +165,15 @@ def token_refusal(token: SecretStr | None, name: str, authorization: str | None)
 
 
 def bearer_check(token: SecretStr | None, name: str) -> Any:
-    """The route's dependency: the same check as `BearerGate`, and the schema's security."""
+    """The route's dependency: the same check as `BearerGate`, and the schema's security (an
+    HTTP bearer scheme named after the token; a plain `Authorization` header parameter is
+    ignored by OpenAPI tools, so generated clients would never send it)."""
+    scheme = HTTPBearer(scheme_name=name, description=f"`Authorization: Bearer <{name}>`", auto_error=False)
 
-    def check(authorization: Annotated[str | None, Header()] = None) -> None:
-        why = token_refusal(token, name, authorization)
+    def check(request: Request, _: HTTPAuthorizationCredentials | None = Security(scheme)) -> None:
+        why = token_refusal(token, name, request.headers.get("authorization"))
         if why is not None:
-            raise HTTPException(401, why, _challenge())
+            raise ApiRefusal(401, why, "Unauthorized", _challenge())
 
     return check
 
@@ -171,7 +200,9 @@ class BearerGate:
             token, name = (self.hook_token, "HOOK_TOKEN") if hook else (self.api_token, "API_TOKEN")
             why = token_refusal(token, name, Headers(scope=scope).get("authorization"))
             if why is not None:
-                answer = JSONResponse({"detail": why}, status_code=401, headers=_challenge())
+                answer = JSONResponse(
+                    {"detail": why, "error": "Unauthorized"}, status_code=401, headers=_challenge()
+                )
                 await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -185,12 +216,12 @@ def task_id_or_404(value: str) -> uuid.UUID:
     try:
         return uuid.UUID(value)
     except ValueError:
-        raise HTTPException(404, f"no request {value}") from None
+        raise ApiRefusal(404, f"no request {value}", "UnknownTask") from None
 
 
 def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
     """The `/api` routes; `engine` is the port the decisions signal and cancel through."""
-    api = APIRouter(prefix="/api", responses=ERRORS)
+    api = APIRouter(prefix="/api")
     need_api = [Depends(bearer_check(settings.api_token, "API_TOKEN"))]
     need_hook = [Depends(bearer_check(settings.hook_token, "HOOK_TOKEN"))]
     max_bytes = settings.max_torrent_bytes
@@ -200,7 +231,10 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         status_code=201,
         response_model=RequestOut,
         dependencies=need_api,
-        responses={413: {"model": ApiError, "description": "torrent over MAX_TORRENT_BYTES"}},
+        responses={
+            **answers(400, 409),
+            413: {"model": ApiError, "description": "torrent over MAX_TORRENT_BYTES"},
+        },
         summary="Request a download (multipart upload of a .torrent)",
     )
     async def create_request(
@@ -236,7 +270,13 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
             headers["Idempotent-Replayed"] = "true"
         return JSONResponse(row.as_json(), status_code=201, headers=headers)
 
-    @api.get("/requests", response_model=RequestList, dependencies=need_api, summary="List requests")
+    @api.get(
+        "/requests",
+        response_model=RequestList,
+        dependencies=need_api,
+        responses=answers(400),
+        summary="List requests",
+    )
     def list_requests(
         status: Annotated[str | None, Query(description="one status")] = None,
         requester: str | None = None,
@@ -253,6 +293,7 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         "/requests/{task_id}",
         response_model=RequestDetailOut,
         dependencies=need_api,
+        responses=answers(404),
         summary="One request: status, progress, files, timeline",
     )
     def get_request(task_id: str) -> Any:
@@ -263,7 +304,12 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         except service.UnknownTask as exc:
             return error(404, exc)
 
-    @api.post("/requests/{task_id}/approve", response_model=DecisionOut, dependencies=need_api)
+    @api.post(
+        "/requests/{task_id}/approve",
+        response_model=DecisionOut,
+        dependencies=need_api,
+        responses=answers(400, 404, 409, 413),
+    )
     def approve(task_id: str, body: Decision | None = None) -> Any:
         tid = task_id_or_404(task_id)
         by = (body or Decision()).by
@@ -274,14 +320,24 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
 
         return decide(tid, act)
 
-    @api.post("/requests/{task_id}/reject", response_model=DecisionOut, dependencies=need_api)
+    @api.post(
+        "/requests/{task_id}/reject",
+        response_model=DecisionOut,
+        dependencies=need_api,
+        responses=answers(400, 404, 409, 413),
+    )
     def reject(task_id: str, body: Decision) -> Any:
         tid = task_id_or_404(task_id)
         if not body.reason:
             return error(400, "a reject needs a reason", "BadInput")
         return decide(tid, lambda: service.reject_and_stop(engine, db.sessions(), tid, body.by, body.reason))
 
-    @api.post("/requests/{task_id}/cancel", response_model=DecisionOut, dependencies=need_api)
+    @api.post(
+        "/requests/{task_id}/cancel",
+        response_model=DecisionOut,
+        dependencies=need_api,
+        responses=answers(400, 404, 409, 413),
+    )
     def cancel(task_id: str, body: Decision | None = None) -> Any:
         tid = task_id_or_404(task_id)
         d = body or Decision()
@@ -305,6 +361,7 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         "/hooks/qbittorrent",
         response_model=HookOut,
         dependencies=need_hook,
+        responses=answers(400),
         summary="qBittorrent's on-finish hook (Run external program: curl … ?hash=%I)",
     )
     def qbittorrent_finished(

@@ -2,8 +2,9 @@
 cannot show (business timelines, dead letters, draining versions, outbox backlog, parked runs),
 the decisions on dead letters, and the JSON API under `/api` (`proj.admin.api`).
 
-Security: every page needs HTTP Basic credentials (`ADMIN_USERNAME` / `ADMIN_PASSWORD`) unless
-the app was made with `insecure=True` (loopback only, see `proj admin --insecure-local`).
+Security: every page needs HTTP Basic credentials (`ADMIN_USERNAME` / `ADMIN_PASSWORD`),
+checked before a body is read (`AdminGate`), unless the app was made with `insecure=True`
+(loopback only, see `proj admin --insecure-local`).
 Browsers resend Basic credentials on cross-site requests, so every POST also needs the per-session
 CSRF token (a signed session cookie, `SameSite=Strict`); a POST without it gets 403. Every answer
 carries a CSP allowing scripts from this origin only (no inline script), `frame-ancestors 'none'`
@@ -18,10 +19,13 @@ import secrets
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     FileResponse,
     HTMLResponse,
@@ -31,13 +35,16 @@ from fastapi.responses import (
     Response,
 )
 from fastapi.templating import Jinja2Templates
+from fastapi.utils import is_body_allowed_for_status_code
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from proj import db
 from proj.acquisition import service
 from proj.admin import overview, queries
-from proj.admin.api import BearerGate, api_router, too_large
+from proj.admin.api import FORM_OVERHEAD, ApiRefusal, BearerGate, api_router, too_large
 from proj.admin.metrics import MetricsUnavailable, Source, metrics_router
 from proj.admin.timeline import short_json
 from proj.engine.errors import BadInput
@@ -105,7 +112,11 @@ def fmt_size(value: int | None) -> str:
 
 class SecurityHeaders:
     """Pure ASGI: adds the headers to every answer (pages, JSON, errors, static files), and
-    refuses an upload whose announced length is over the torrent limit before it is read."""
+    refuses a POST body over its limit: an upload over the torrent limit (plus its form), any
+    other body over `FORM_OVERHEAD`. An announced `Content-Length` over it is refused before
+    anything is read; a body without one (chunked) is counted as it arrives and cut off with
+    the same 413 once it passes the limit
+    (`tests/integration/test_front_door_review.py::test_a_chunked_upload_over_the_limit_is_cut_off_while_it_streams`)."""
 
     def __init__(self, app: ASGIApp, max_upload: int) -> None:
         self.app = app
@@ -123,14 +134,75 @@ class SecurityHeaders:
             await send(message)
 
         request = Request(scope)
-        if request.method == "POST" and scope["path"] in UPLOAD_PATHS and too_large(request, self.max_upload):
-            answer = JSONResponse(
-                {"detail": f"upload over MAX_TORRENT_BYTES ({self.max_upload} bytes)", "error": "TooLarge"},
-                status_code=413,
-            )
+        if request.method != "POST":
+            await self.app(scope, receive, send_with_headers)
+            return
+        upload = scope["path"] in UPLOAD_PATHS
+        limit = self.max_upload if upload else 0
+        why = (
+            f"upload over MAX_TORRENT_BYTES ({self.max_upload} bytes)"
+            if upload
+            else f"request body over {FORM_OVERHEAD} bytes"
+        )
+        if too_large(request, limit):
+            answer = JSONResponse({"detail": why, "error": "TooLarge"}, status_code=413)
             await answer(scope, receive, send_with_headers)
             return
-        await self.app(scope, receive, send_with_headers)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit + FORM_OVERHEAD:
+                    # An HTTPException: FastAPI re-raises it from its body parsing (any other
+                    # error there becomes a 400), and the app's handler answers it.
+                    raise ApiRefusal(413, why, "TooLarge")
+            return message
+
+        await self.app(scope, counted, send_with_headers)
+
+
+class AdminGate:
+    """Refuses an `/admin` request without the admin's Basic credentials before anything reads
+    its body. FastAPI parses a route's form (an upload spooled to disk) before it runs the
+    route's dependencies, so with `require_auth` alone an anonymous client made the server read
+    its upload. The health check and the script stay open
+    (`test_front_door_review.py::test_admin_credentials_are_checked_before_the_body_is_read`)."""
+
+    OPEN = ("/admin/healthz", "/admin/static/admin.js")
+
+    def __init__(self, app: ASGIApp, auth: AdminAuth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if (
+            (path == "/admin" or path.startswith("/admin/"))
+            and path not in self.OPEN
+            and not self.auth.check(Headers(scope=scope).get("authorization"))
+        ):
+            answer = JSONResponse(
+                {"detail": "authentication required", "error": "Unauthorized"},
+                status_code=401,
+                headers={"WWW-Authenticate": REALM},
+            )
+            await answer(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def printable(value: Any) -> Any:
+    """A JSON-shaped value whose text UTF-8 can encode (a lone surrogate becomes '?')."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, list):
+        return [printable(v) for v in value]
+    if isinstance(value, dict):
+        return {printable(k): printable(v) for k, v in value.items()}
+    return value
 
 
 def fmt_ts(value: datetime | None) -> str:
@@ -210,11 +282,30 @@ def create_app(
         same_site="strict",
         https_only=False,
     )
-    # Outermost first: security headers and the upload size (by Content-Length, no body read),
-    # then the API's bearer token, then the admin's session.
+    # Outermost first: security headers and the body size (by Content-Length, no body read;
+    # else counted as it arrives), then the admin's Basic auth and the API's bearer token, then
+    # the admin's session.
     app.add_middleware(BearerGate, api_token=settings.api_token, hook_token=settings.hook_token)
+    app.add_middleware(AdminGate, auth=auth)
     app.add_middleware(SecurityHeaders, max_upload=settings.max_torrent_bytes)
     app.state.auth = auth
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_refusal(request: Request, exc: StarletteHTTPException) -> Response:
+        """`{detail, error}` like every other API refusal (the schema's `ApiError`)."""
+        if not is_body_allowed_for_status_code(exc.status_code):
+            return Response(status_code=exc.status_code, headers=exc.headers)
+        error = getattr(exc, "error", None) or HTTPStatus(exc.status_code).phrase.replace(" ", "")
+        body = {"detail": exc.detail, "error": error}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's 422, with the echoed input made encodable: a lone surrogate in a JSON
+        body ('\\ud800') made rendering the default answer fail, a 500."""
+        body = {"detail": printable(jsonable_encoder(exc.errors())), "error": "RequestValidationError"}
+        return JSONResponse(body, status_code=422)
+
     app.include_router(api_router(settings, engine))
     source = Source(settings)
     app.include_router(metrics_router(settings, source))
@@ -228,7 +319,12 @@ def create_app(
         form = await request.form()
         sent = form.get(CSRF_FIELD)
         expected = request.session.get("csrf")
-        if not expected or not isinstance(sent, str) or not secrets.compare_digest(sent, expected):
+        # As bytes: `compare_digest` raises TypeError on a non-ASCII str (was a 500).
+        if (
+            not expected
+            or not isinstance(sent, str)
+            or not secrets.compare_digest(sent.encode(), expected.encode())
+        ):
             raise HTTPException(403, "CSRF token missing or invalid: reload the page and try again")
 
     def csrf_token(request: Request) -> str:

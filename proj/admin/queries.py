@@ -23,6 +23,7 @@ from proj.engine.store.children import Family, family
 from proj.engine.store.views import FailedStep, ParkedRun, ParkedTopic, Run, RunListRow
 
 PAGE = 50
+INT4_MAX = 2**31 - 1
 
 
 def table_exists(s: Session, qualified: str) -> bool:
@@ -51,15 +52,26 @@ class RunFilter:
 
 
 def list_runs(s: Session, f: RunFilter, limit: int = PAGE) -> tuple[list[RunListRow], bool]:
-    """Newest first; `q` matches a run id (or its prefix) or part of the idempotency key."""
+    """Newest first; `q` matches a run id (or its prefix) or part of the idempotency key.
+
+    Filters Postgres could not take as such match nothing instead of failing the page: a NUL
+    in a text filter, a version past `integer`, a page past `bigint`'s offset."""
+    if "\x00" in f.kind or "\x00" in f.q:
+        return [], False
+    version = int(f.version) if f.version.strip().isdigit() else None
+    if version is not None and version > INT4_MAX:
+        return [], False
+    page = max(0, f.page)
+    if page * limit > INT4_MAX:
+        return [], False
     rows = views.list_runs(
         s,
         kind=f.kind or None,
-        version=int(f.version) if f.version.strip().isdigit() else None,
+        version=version,
         status=RunStatus(f.status) if f.status in RUN_STATUSES else None,
         search=f.q,
         limit=limit + 1,
-        offset=max(0, f.page) * limit,
+        offset=page * limit,
     )
     return rows[:limit], len(rows) > limit
 
