@@ -282,15 +282,25 @@ def request(
 def list_requests(
     status: str = typer.Option(None, help="only this status (requested, approved, … notified)"),
     requester: str = typer.Option(None),
-    limit: int = typer.Option(50, min=1),
+    limit: int = typer.Option(50, min=1, max=200),
+    after: str = typer.Option(
+        None, metavar="ID", help="go on after this request (the hint below a full page)"
+    ),
 ) -> None:
     """List requests, newest first: id, title, requester, status, progress, size, age."""
     from proj import db
     from proj.acquisition import service
     from proj.admin.app import fmt_ago, fmt_size
+    from proj.engine.errors import BadInput
 
     with _business_errors(), db.transaction() as s:
-        rows = service.list_requests(s, status=status, requester=requester, limit=limit)
+        try:
+            mark = uuid.UUID(after) if after else None
+        except ValueError:
+            raise BadInput(f"--after must be a request id, got {after!r}") from None
+        rows, following = service.requests_page(
+            s, status=status, requester=requester, limit=limit, after=mark
+        )
     lines = [
         (
             str(r.id),
@@ -313,6 +323,8 @@ def list_requests(
         for line in lines:
             table.add_row(*line)
         console.print(table)
+    if following is not None:  # on stderr when piped: the lines stay one request each
+        errors.print(f"[dim]more: proj requests --after {following}[/dim]")
     if not rows:
         console.print("[dim]no requests: `proj request FILE.torrent --requester NAME` makes one[/dim]")
 

@@ -11,7 +11,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -106,8 +106,8 @@ def request_download(
     digest of the request (see `submit_request`).
     """
     meta = torrents.parse(torrent, max_bytes=get_settings().max_torrent_bytes)
-    if not isinstance(requester, str) or not requester or len(requester) > 200:
-        raise BadInput("requester must be 1..200 characters")
+    if not isinstance(requester, str) or not requester.strip() or len(requester) > 200:
+        raise BadInput("requester must be 1..200 characters, not only spaces")
     if webhook_url is not None and (
         not isinstance(webhook_url, str) or not webhook_url.startswith(("http://", "https://"))
     ):
@@ -406,6 +406,24 @@ def list_requests(
     session: Session, *, status: str | None = None, requester: str | None = None, limit: int = 100
 ) -> list[RequestRow]:
     """Newest first, optionally one status and/or one requester (index `status, created_at`)."""
+    return requests_page(session, status=status, requester=requester, limit=limit)[0]
+
+
+def requests_page(
+    session: Session,
+    *,
+    status: str | None = None,
+    requester: str | None = None,
+    limit: int = 100,
+    after: uuid.UUID | None = None,
+) -> tuple[list[RequestRow], uuid.UUID | None]:
+    """One page of `list_requests`, and the id to pass as `after` for the next (None: no more).
+
+    `after` is the id of the last request of the previous page; the page goes on from it in the
+    same order (keyset: a request added meanwhile neither shifts nor repeats a row). Why: a list
+    capped at `LIST_LIMIT` with no way on left older requests out of reach
+    (`tests/integration/test_front_door_review.py::test_the_requests_list_pages_on_to_the_oldest`).
+    """
     wanted = parse_status(status)
     if requester and not _storable(requester):
         raise BadInput("requester must not contain NUL characters or unpaired surrogates")
@@ -414,8 +432,20 @@ def list_requests(
         q = q.where(DownloadTask.status == wanted)
     if requester:
         q = q.where(DownloadTask.requester == requester)
-    tasks = session.scalars(q.limit(max(1, min(limit, LIST_LIMIT)))).all()
-    return [_row(t) for t in tasks]
+    if after is not None:
+        mark = session.scalar(select(DownloadTask.created_at).where(DownloadTask.id == after))
+        if mark is None:
+            raise BadInput(f"no request {after} to page on from")
+        q = q.where(
+            or_(
+                DownloadTask.created_at < mark,
+                and_(DownloadTask.created_at == mark, DownloadTask.id > after),
+            )
+        )
+    limit = max(1, min(limit, LIST_LIMIT))
+    tasks = session.scalars(q.limit(limit + 1)).all()
+    rows = [_row(t) for t in tasks[:limit]]
+    return rows, (rows[-1].id if len(tasks) > limit else None)
 
 
 def _row(t: DownloadTask) -> RequestRow:

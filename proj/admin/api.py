@@ -105,11 +105,23 @@ class RequestDetailOut(BaseModel):
 
 class RequestList(BaseModel):
     requests: list[RequestOut]
+    next: uuid.UUID | None = Field(
+        default=None,
+        description="more requests follow: pass this as `after` for the next page (null: none)",
+    )
 
 
 class Decision(BaseModel):
     by: str = Field(default="api", max_length=200, description="who decided (on the timeline)")
     reason: str | None = Field(default=None, max_length=500)
+
+
+class Rejection(BaseModel):
+    """A reject's body: unlike approve and cancel, its reason is required (the requester is
+    told why)."""
+
+    by: str = Field(default="api", max_length=200, description="who decided (on the timeline)")
+    reason: str = Field(min_length=1, max_length=500, description="why (shown to the requester)")
 
 
 class DecisionOut(BaseModel):
@@ -281,13 +293,18 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         status: Annotated[str | None, Query(description="one status")] = None,
         requester: str | None = None,
         limit: Annotated[int, Query(ge=1, le=service.LIST_LIMIT)] = 100,
+        after: Annotated[
+            uuid.UUID | None, Query(description="the `next` of the previous page: go on from there")
+        ] = None,
     ) -> Any:
         try:
             with db.transaction() as s:
-                rows = service.list_requests(s, status=status, requester=requester, limit=limit)
+                rows, following = service.requests_page(
+                    s, status=status, requester=requester, limit=limit, after=after
+                )
         except BadInput as exc:
             return error(400, exc)
-        return {"requests": [r.as_json() for r in rows]}
+        return {"requests": [r.as_json() for r in rows], "next": following}
 
     @api.get(
         "/requests/{task_id}",
@@ -326,10 +343,8 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         dependencies=need_api,
         responses=answers(400, 404, 409, 413),
     )
-    def reject(task_id: str, body: Decision) -> Any:
+    def reject(task_id: str, body: Rejection) -> Any:
         tid = task_id_or_404(task_id)
-        if not body.reason:
-            return error(400, "a reject needs a reason", "BadInput")
         return decide(tid, lambda: service.reject_and_stop(engine, db.sessions(), tid, body.by, body.reason))
 
     @api.post(

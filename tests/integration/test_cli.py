@@ -282,3 +282,29 @@ def test_errors_are_one_line_not_a_traceback() -> None:
         assert len(done.stderr.strip().splitlines()) <= 2, done.stderr  # one line, soft-wrapped at most once
     shown = proj_subprocess("runs", env={**dead, "PROJ_TRACEBACK": "1"})
     assert shown.returncode == 1 and "Traceback" in shown.stderr
+
+
+def test_requests_pages_on_with_after(tmp_path) -> None:
+    """`proj requests --limit N` says how to go on when more follow (`--after ID`), and
+    `--after` goes on from there: before, requests past the limit were out of reach."""
+    import os as _os
+
+    from proj import db
+    from proj.acquisition import service
+    from proj.qbt.local import make_torrent
+
+    (tmp_path / "Film").mkdir()
+    (tmp_path / "Film" / "f.bin").write_bytes(_os.urandom(20_000))
+    torrent = make_torrent(tmp_path / "Film", piece_size=16 * 1024)[0]
+    ids = []
+    for who in ("ann", "bob", "cid"):
+        with db.sessions().begin() as s:
+            ids.append(str(service.request_download(s, requester=who, torrent=torrent)))
+    code, out = proj("requests", "--limit", "2")
+    assert code == 0, out
+    assert ids[2] in out and ids[1] in out and ids[0] not in out, out
+    assert f"more: proj requests --after {ids[1]}" in out, out
+    code, out = proj("requests", "--limit", "2", "--after", ids[1])
+    assert code == 0 and ids[0] in out and ids[1] not in out and "more:" not in out, out
+    code, out = proj("requests", "--after", "nope")
+    assert code == 1 and "--after must be a request id" in out, out

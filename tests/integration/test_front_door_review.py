@@ -340,3 +340,72 @@ def test_the_runs_page_with_out_of_range_filters_is_not_a_500(admin: TestClient)
     ):
         r = admin.get("/admin/runs", params=params)
         assert r.status_code == 200, (params, r.status_code, r.text[:200])
+
+
+# ------------------------------------------------------------------------ list, pages, reject
+
+
+def test_the_requests_list_pages_on_to_the_oldest(api: TestClient, film: bytes) -> None:
+    """Before: `GET /api/requests` returned at most `LIST_LIMIT` (200) rows with no way on, so
+    older requests were out of reach. Now each page carries `next`, the id to pass as `after`.
+    Four of the requests share one transaction (one `created_at`): the id orders them, and no
+    row repeats or goes missing across pages, even when a request arrives between two pages."""
+    from proj import db
+    from proj.acquisition import service
+
+    for _ in range(3):
+        assert post_request(api, film).status_code == 201
+    with db.sessions().begin() as s:
+        for _ in range(4):
+            service.request_download(s, requester="alice", torrent=film)
+    everything = [r["id"] for r in api.get("/api/requests", params={"limit": 200}).json()["requests"]]
+    assert len(everything) == 7
+
+    seen: list[str] = []
+    after = None
+    pages = 0
+    while True:
+        params = {"limit": 3, **({"after": after} if after else {})}
+        page = api.get("/api/requests", params=params).json()
+        seen += [r["id"] for r in page["requests"]]
+        pages += 1
+        if pages == 1:
+            assert post_request(api, film).status_code == 201  # newer: not on the later pages
+        after = page["next"]
+        if after is None:
+            break
+    assert pages == 3
+    assert seen == everything
+    assert api.get("/api/requests", params={"limit": 7}).json()["next"] is not None  # the new one
+    assert api.get("/api/requests", params={"limit": 8}).json()["next"] is None
+
+    r = api.get("/api/requests", params={"after": str(uuid.uuid4())})
+    assert r.status_code == 400 and r.json()["error"] == "BadInput", r.text
+    assert api.get("/api/requests", params={"after": "not-a-uuid"}).status_code == 422
+
+
+def test_a_requester_of_only_spaces_is_refused(api: TestClient, film: bytes) -> None:
+    """Before: the API accepted `requester="   "` (the admin form strips it), a request nobody
+    could be told about."""
+    before = written()
+    r = post_request(api, film, requester="   ")
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert r.json()["error"] == "BadInput" and "requester" in r.json()["detail"]
+    assert written() == before
+
+
+def test_a_reject_without_a_reason_is_refused_as_the_schema_says(api: TestClient, film: bytes) -> None:
+    """Before: the schema showed a reject's `reason` as optional, and leaving it out was a 400.
+    Now the schema requires it and a body without one is refused by validation."""
+    schema = api.get("/api/openapi.json").json()
+    body = schema["paths"]["/api/requests/{task_id}/reject"]["post"]["requestBody"]
+    ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    assert "reason" in schema["components"]["schemas"][ref]["required"]
+
+    tid = post_request(api, film).json()["id"]
+    for payload in ({"by": "olga"}, {"by": "olga", "reason": ""}):
+        r = api.post(f"/api/requests/{tid}/reject", json=payload)
+        assert r.status_code == 422, (payload, r.status_code, r.text)
+    assert api.get(f"/api/requests/{tid}").json()["status"] == "requested"
+    r = api.post(f"/api/requests/{tid}/reject", json={"by": "olga", "reason": "not in the catalogue"})
+    assert r.status_code == 200 and r.json()["status"] == "rejected", r.text
