@@ -67,7 +67,8 @@ def trace_id() -> str | None:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record; the step fields are null outside a step."""
+    """One JSON object per record, on one line that encodes to UTF-8 whatever the message holds
+    (`tests/unit/test_observability_review.py`); the step fields are null outside a step."""
 
     def format(self, record: logging.LogRecord) -> str:
         step = CURRENT_STEP.get()
@@ -85,7 +86,16 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        line = json.dumps(out, default=str, ensure_ascii=False)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate (a file name decoded with surrogateescape): escaped as \udcXX,
+            # the line stays valid JSON that any UTF-8 stream can write.
+            line = json.dumps(out, default=str, ensure_ascii=True)
+        return line
 
 
 def json_enabled() -> bool:
