@@ -173,8 +173,10 @@ def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False)
 
 
 def read_history(engine: Engine) -> History:
-    """The slow part, in one session (`HistoryCache` runs it off the request path)."""
-    with engine.connect() as conn:
+    """The slow part, in one snapshot (`HistoryCache` runs it off the request path): repeatable
+    read, so a purge committing in between cannot count its steps twice or not at all (the rows
+    it deletes and what it folds into `engine.counter` are read as of one moment)."""
+    with engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn:
         dispatched = None
         if conn.execute(OUTBOX_TABLE).scalar_one():
             dispatched = int(conn.execute(OUTBOX_DISPATCHED).scalar_one())

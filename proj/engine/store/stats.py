@@ -11,10 +11,13 @@ Cost at scale (`bench/metrics_scale.py`, 1M finished runs, plans in `bench/READM
   lease-recovery counter, one row of `engine.counter` bumped by the sweeper;
 - *slow* statements read the whole history (succeeded/canceled counts, the histograms): the
   admin runs them in the background at most every `METRICS_SLOW_S` and serves the last result.
-  The histograms are derived from the rows still present, so they survive restarts of workers
-  and of the admin alike; `purge` bounds them (steps of runs older than `RETENTION_DAYS` go,
-  which Prometheus reads as a counter reset). Step durations cost one pass over the retained
-  succeeded steps; signal wakes only the steps a signal woke (`step_signalled_idx`).
+  The histograms are derived from the rows still present plus what `purge` folded into
+  `engine.counter` when it deleted the steps of runs older than `RETENTION_DAYS`
+  (`retention.PURGE_FINISHED_STEPS`), so they survive restarts of workers and of the admin alike
+  and never go down (a histogram's buckets are counters: a drop is a reset to Prometheus). The
+  caller reads both in one snapshot (`proj.admin.metrics.read_history`: repeatable read). Step
+  durations cost one pass over the retained succeeded steps; signal wakes only the steps a
+  signal woke (`step_signalled_idx`).
 
 Every statement is a named constant written out whole; every reader returns typed rows.
 """
@@ -121,9 +124,9 @@ STEP_DURATION_BUCKETS = text(
      GROUP BY r.kind, s.name, bucket
     """
 )
-# A signal's wake: the signal that woke a parked step (`step.signalled_at`, set by the wake in
-# `runs.signal`) to that step's next claim (its first attempt started since). Steps not claimed
-# yet are not counted until they are.
+# A signal's wake: the first signal that woke a parked step (`step.signalled_at`, set by the
+# wake in `runs.signal` and kept by later wakes) to that step's next claim (its first attempt
+# started since). Steps not claimed yet are not counted until they are; then for good.
 SIGNAL_WAKE_BUCKETS = text(
     """
     SELECT width_bucket(w.secs, CAST(:bounds AS float8[])) AS bucket, count(*) AS n,
@@ -135,6 +138,15 @@ SIGNAL_WAKE_BUCKETS = text(
              WHERE s.signalled_at IS NOT NULL) w
      WHERE w.secs IS NOT NULL
      GROUP BY bucket
+    """
+)
+
+# What `purge` folded in of the steps it deleted (`retention.PURGE_FINISHED_STEPS`): counter
+# rows named `["step_duration_seconds", kind, step, le | "sum_us"]`, `["signal_wake_seconds", …]`.
+HISTOGRAM_BASE = text(
+    """
+    SELECT name::jsonb AS key, value FROM engine.counter
+     WHERE name LIKE :prefix ORDER BY name
     """
 )
 
@@ -246,22 +258,50 @@ def database_now(s: Executor) -> datetime:
     return now
 
 
+def _bucket_of(bounds: Sequence[float], le: float) -> int:
+    """The `width_bucket` index of the first bucket whose upper bound is at least `le` (a bound
+    folded under other bounds lands in the next bucket up: still counted below its `le`)."""
+    for k, bound in enumerate(bounds):
+        if bound >= le:
+            return k
+    return len(bounds)
+
+
+def _base(s: Executor, name: str) -> list[tuple[list[str], int]]:
+    rows = s.execute(HISTOGRAM_BASE, {"prefix": f'["{name}",%'})
+    return [(list(r.key), int(r.value)) for r in rows]
+
+
 def step_durations(s: Executor) -> dict[tuple[str, str], Histogram]:
-    """`proj_step_duration_seconds` per (kind, step)."""
+    """`proj_step_duration_seconds` per (kind, step): the steps present plus what purge folded."""
     per: dict[tuple[str, str], dict[int, int]] = {}
     totals: dict[tuple[str, str], float] = {}
     for r in s.execute(STEP_DURATION_BUCKETS, {"bounds": list(STEP_DURATION_BOUNDS)}):
         key = (r.kind, r.step)
         per.setdefault(key, {})[int(r.bucket)] = int(r.n)
         totals[key] = totals.get(key, 0.0) + float(r.total or 0.0)
-    return {key: cumulative(STEP_DURATION_BOUNDS, b, totals[key]) for key, b in sorted(per.items())}
+    for (_, kind, step_name, le), n in _base(s, "step_duration_seconds"):
+        key = (kind, step_name)
+        buckets = per.setdefault(key, {})
+        if le == "sum_us":
+            totals[key] = totals.get(key, 0.0) + n / 1_000_000
+        else:
+            k = _bucket_of(STEP_DURATION_BOUNDS, float(le))
+            buckets[k] = buckets.get(k, 0) + n
+    return {key: cumulative(STEP_DURATION_BOUNDS, b, totals.get(key, 0.0)) for key, b in sorted(per.items())}
 
 
 def signal_wakes(s: Executor) -> Histogram:
-    """`proj_signal_wake_seconds`: signal → the woken step claimed again."""
+    """`proj_signal_wake_seconds`: signal → the woken step claimed again (plus what purge folded)."""
     per: dict[int, int] = {}
     total = 0.0
     for r in s.execute(SIGNAL_WAKE_BUCKETS, {"bounds": list(SIGNAL_WAKE_BOUNDS)}):
         per[int(r.bucket)] = int(r.n)
         total += float(r.total or 0.0)
+    for (_, le), n in _base(s, "signal_wake_seconds"):
+        if le == "sum_us":
+            total += n / 1_000_000
+        else:
+            k = _bucket_of(SIGNAL_WAKE_BOUNDS, float(le))
+            per[k] = per.get(k, 0) + n
     return cumulative(SIGNAL_WAKE_BOUNDS, per, total)

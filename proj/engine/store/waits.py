@@ -83,8 +83,12 @@ class Woken(NamedTuple):
     priority: int
 
 
-# A signal's wake records when it woke the step (`signalled_at`): the start of
-# `proj_signal_wake_seconds`, whose end is the step's next claim (`store.stats`).
+# A signal's first wake records when it woke the step (`signalled_at`): the start of
+# `proj_signal_wake_seconds`, whose end is the step's next claim (`store.stats`). Later wakes
+# keep it: a wait whose check does not hold yet parks again, and overwriting it took the step
+# out of the histogram until its next claim (its count went down, a counter reset to
+# Prometheus) and lost the first observation
+# (`tests/integration/test_observability_review.py::test_a_second_signal_…`).
 # The wake writes the steps only. It used to move their runs to `running` in a second CTE
 # joined to the woken steps; whenever the statistics were taken while few runs waited (a mass
 # wake minutes after its runs parked, before autovacuum analyzes again) the planner estimated
@@ -95,7 +99,7 @@ WAKE_TOPIC = text(
     """
     UPDATE engine.step s
        SET status = 'pending', next_attempt_at = now(), published_at = now(),
-           signalled_at = now()
+           signalled_at = coalesce(s.signalled_at, now())
       FROM engine.task_run r
      WHERE r.id = s.run_id AND s.status = 'waiting' AND s.wait_topic = :topic
     RETURNING s.id, s.run_id, s.name, r.kind, r.version, r.priority
