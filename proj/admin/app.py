@@ -398,10 +398,15 @@ def create_app(
         return tid
 
     @r.get("", response_class=HTMLResponse)
-    def requests_page(request: Request, status: str = "", requester: str = "") -> Response:
+    def requests_page(request: Request, status: str = "", requester: str = "", after: str = "") -> Response:
         try:
+            mark = queries.parse_uuid(after) if after else None
+            if after and mark is None:
+                raise BadInput(f"no request {after!r} to page on from")
             with db.transaction() as s:
-                rows = service.list_requests(s, status=status or None, requester=requester or None)
+                rows, following = service.requests_page(
+                    s, status=status or None, requester=requester or None, after=mark
+                )
                 counts = service.status_counts(s)
         except BadInput as exc:
             flash(request, str(exc), "error")
@@ -410,9 +415,10 @@ def create_app(
             request,
             "requests.html",
             rows=rows,
+            following=following,
             counts=counts,
             statuses=list(service.RequestStatus),
-            f={"status": status, "requester": requester},
+            f={"status": status, "requester": requester, "after": after},
             max_bytes=settings.max_torrent_bytes,
         )
 

@@ -409,3 +409,24 @@ def test_a_reject_without_a_reason_is_refused_as_the_schema_says(api: TestClient
     assert api.get(f"/api/requests/{tid}").json()["status"] == "requested"
     r = api.post(f"/api/requests/{tid}/reject", json={"by": "olga", "reason": "not in the catalogue"})
     assert r.status_code == 200 and r.json()["status"] == "rejected", r.text
+
+
+def test_the_admin_requests_page_pages_on_to_the_oldest(admin: TestClient, film: bytes) -> None:
+    """Before: /admin showed the newest 100 requests and nothing older. Now a full page links
+    to the older ones (`?after=`, the same keyset as the API), and an unknown mark says so."""
+    from proj import db
+    from proj.acquisition import service
+
+    with db.sessions().begin() as s:
+        first = service.request_download(s, requester="oldest", torrent=film)
+    with db.sessions().begin() as s:
+        for _ in range(100):
+            service.request_download(s, requester="alice", torrent=film)
+    page = admin.get("/admin").text
+    assert str(first) not in page
+    m = re.search(r'href="\?status=&(?:amp;)?requester=&(?:amp;)?after=([0-9a-f-]{36})">older', page)
+    assert m is not None, "no link to the older requests"
+    older = admin.get("/admin", params={"after": m.group(1)}).text
+    assert str(first) in older and "older →" not in older
+    r = admin.get("/admin", params={"after": "nope"}, follow_redirects=False)
+    assert r.status_code == 303
