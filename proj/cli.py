@@ -203,7 +203,8 @@ def cancel(
         return
     view = runs.get(ident)
     if view is not None and view.status in TERMINAL:
-        errors.print(f"[red]run {ident} has finished ({view.status}): nothing to cancel[/red]")
+        hint = f"; a dead letter: proj resolve {ident} --abandon" if view.status == "failed" else ""
+        errors.print(f"[red]run {ident} has finished ({view.status}): nothing to cancel{hint}[/red]")
         raise typer.Exit(1)
     try:
         runs.cancel(ident, f"{reason} (by {by or _operator()})")
@@ -378,14 +379,36 @@ def resolve(
     if retry:
         n = runs.retry_failed(rid)
         if not n:
-            errors.print(f"[red]{rid} is not a failed run: nothing retried[/red]")
+            errors.print(f"[red]{escape(_not_retried(rid))}[/red]")
             raise typer.Exit(1)
         console.print(f"{n} step(s) sent back to work")
     else:
         if not runs.abandon(rid, "operator"):
-            errors.print(f"[red]{rid} is not a failed run: nothing abandoned[/red]")
+            view = runs.get(rid)
+            what = "no such run" if view is None else f"{view.status}, not a dead letter"
+            errors.print(f"[red]{rid} is not a failed run ({what}): nothing abandoned[/red]")
             raise typer.Exit(1)
         console.print("abandoned")
+
+
+def _not_retried(rid: uuid.UUID) -> str:
+    """Why `resolve --retry` sent nothing back: not a dead letter, or one that may not run again
+    (asked to cancel, past its deadline), which only abandon resolves."""
+    from datetime import UTC, datetime
+
+    from proj.engine import runs
+
+    view = runs.get(rid)
+    if view is None:
+        return f"{rid} is not a failed run (no such run): nothing retried"
+    if view.status != "failed":
+        return f"{rid} is not a failed run ({view.status}): nothing retried"
+    abandon = f"abandon it: proj resolve {rid} --abandon"
+    if view.cancel_requested:
+        return f"{rid} was asked to cancel, which a retry cannot withdraw: nothing retried; {abandon}"
+    if view.deadline_at is not None and view.deadline_at <= datetime.now(UTC):
+        return f"{rid} passed its deadline ({view.deadline_at.isoformat()}): nothing retried; {abandon}"
+    return f"{rid} has no failed step to retry: nothing retried; {abandon}"
 
 
 @cli.command()

@@ -248,12 +248,17 @@ def _conninfo() -> str:
 
 
 def retry_failed(run_id: uuid.UUID) -> int:
-    """Operator decision on a dead letter: retry from the failed step(s) with fresh attempts."""
+    """Operator decision on a dead letter: retry from the failed step(s) with fresh attempts;
+    how many were sent back. 0 and nothing written when the run is not a dead letter, or one
+    that may not run again: asked to cancel, or past its deadline (and compensated), which only
+    abandon resolves (`tests/integration/test_ops_review.py`)."""
     with db.transaction() as s:
         run = cancels_store.lock_run_to_cancel(s, run_id)
         if run is None or run.status != RunStatus.FAILED:
             return 0
         rows = cancels_store.retry_failed_steps(s, run_id)
+        if not rows:  # the run stays the dead letter it was: no run without a step to run
+            return 0
         cancels_store.reopen_failed_run(s, run_id)
     dispatch.publish_after_commit([step_dispatch(r.id, run.kind, run.version, r.name) for r in rows])
     return len(rows)

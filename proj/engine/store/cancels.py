@@ -14,8 +14,8 @@ Each function runs the statement named like it in capitals (`cancel_run`: `CANCE
 | `live_leases` | open steps locked, skipping held ones | steps under a live lease or held (a cancel waits) |
 | `cancel_open_steps` | steps pending, waiting, running | canceled, lease cleared |
 | `cancel_run` | run live | canceled |
-| `retry_failed_steps` | run failed: its failed/pending steps | pending, fresh attempts |
-| `reopen_failed_run` | run failed | running |
+| `retry_failed_steps` | failed run's failed/pending steps (no cancel, deadline ahead) | pending |
+| `reopen_failed_run` | run failed (once `retry_failed_steps` sent a step back) | running |
 | `abandon_failed_run` | run failed | running with a cancel request (then finalized, compensation) |
 
 Proofs: `tests/integration/test_waits_cancel.py`, `tests/integration/test_admin.py`.
@@ -102,12 +102,19 @@ CANCEL_RUN = text(
     """
 )
 
+# Guard: only a dead letter that can run again. Not one past its deadline (no step of it may
+# start, and its compensation ran when it expired), nor one asked to cancel (a cancel request is
+# never withdrawn: reopened, the run was canceled at once): abandon is the decision left for
+# those (`tests/integration/test_ops_review.py`).
 RETRY_FAILED_STEPS = text(
     """
-    UPDATE engine.step SET status = 'pending', attempts = 0, next_attempt_at = now(),
+    UPDATE engine.step s SET status = 'pending', attempts = 0, next_attempt_at = now(),
            published_at = now(), finished_at = NULL
-     WHERE run_id = :id AND status IN ('failed', 'pending')
-    RETURNING id, name
+      FROM engine.task_run r
+     WHERE s.run_id = :id AND s.status IN ('failed', 'pending')
+       AND r.id = s.run_id AND r.status = 'failed' AND r.cancel_requested_at IS NULL
+       AND (r.deadline_at IS NULL OR r.deadline_at > now())
+    RETURNING s.id, s.name
     """
 )
 
@@ -180,7 +187,8 @@ def cancel_run(s: Session, run_id: uuid.UUID) -> CanceledRun | None:
 
 
 def retry_failed_steps(s: Session, run_id: uuid.UUID) -> list[StepRef]:
-    """The failed run's failed and pending steps get fresh attempts; returns them (to send)."""
+    """The failed run's failed and pending steps get fresh attempts; returns them (to send).
+    Empty when the run may not run again (asked to cancel, past its deadline): nothing written."""
     return [StepRef(*r) for r in s.execute(RETRY_FAILED_STEPS, {"id": run_id})]
 
 

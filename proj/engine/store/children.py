@@ -75,12 +75,22 @@ LIVE_CHILDREN = text(
 )
 
 # The sweeper's backstop for `LIVE_CHILDREN`'s SKIP LOCKED: a child still live, not asked to
-# cancel, whose parent ended failed or canceled (through `task_run_live_child_idx`).
+# cancel, whose parent ended failed or canceled (through `task_run_live_child_idx`). Not a child
+# whose own step in its parent is `failed`: the parent is a dead letter through that child, and
+# the child lives again because an operator retried it (README: retry the child, then the
+# parent, whose step finds it); the cascade never skipped it, since it had ended when the parent
+# failed (`tests/integration/test_ops_review.py::
+# test_a_failed_child_retried_under_a_dead_letter_parent_is_not_canceled_by_the_sweeper`).
 ORPHANED_CHILDREN = text(
     """
     SELECT c.id FROM engine.task_run c JOIN engine.task_run p ON p.id = c.parent_run_id
      WHERE c.parent_run_id IS NOT NULL AND c.status IN ('pending', 'running', 'waiting')
        AND c.cancel_requested_at IS NULL AND p.status IN ('failed', 'canceled')
+       AND NOT (p.status = 'failed' AND EXISTS (
+               SELECT 1 FROM engine.step ps
+                WHERE ps.run_id = p.id AND ps.status = 'failed'
+                  AND c.idempotency_key
+                      = 'child:' || p.id::text || ':' || ps.name || ':' || ps.item_index::text))
      LIMIT :n
        FOR UPDATE OF c SKIP LOCKED
     """
