@@ -129,10 +129,16 @@ def commit_deadline(c: Claim, exc: BaseException) -> AttemptEnd:
 
 def fail_run(s: Session, run_id: uuid.UUID, err: dict[str, Any]) -> list[Dispatch]:
     """The run becomes a dead letter: `failed` with its error; pending siblings stop, its
-    unfinished children are canceled and its parent's child step is woken (the messages)."""
+    unfinished children are canceled and its parent's child step is woken (the messages).
+
+    A run asked to cancel while its step ran (a body that never reached a checkpoint, then
+    failed for good) ends `canceled` with its compensation instead: the cancel was asked first,
+    and a dead letter would have left the torrent and temp files behind (invariant 8;
+    `tests/integration/test_ops_review.py::test_a_step_failing_after_a_cancel_request_ends_the_run_canceled`).
+    """
     run = store.fail_run(s, run_id, err)
-    if run is None:
-        return []
+    if run is None:  # finished already, or asked to cancel: `finalize_cancel` tells them apart
+        return chain.finalize_cancel(s, run_id)
     tracing.run_finished(s, run, RunStatus.FAILED, run.finished_at)
     out = chain.cancel_children(s, run_id, f"parent run {run_id} failed")
     return out + chain.notify_parent(s, run_id, run.parent_run_id, RunStatus.FAILED)

@@ -133,11 +133,11 @@ def test_retry_of_a_run_past_its_deadline_writes_nothing(inproc) -> None:
         )
 
 
-def test_retry_of_a_dead_letter_asked_to_cancel_writes_nothing(inproc) -> None:
-    """A cancel asked while a step ran that ignored it and then failed leaves a dead letter
-    with its cancel request. A retry cannot withdraw the request: it returned 1 ("sent back to
-    work") and the run was then canceled and compensated by the sweeper. Now the retry writes
-    nothing (abandon is the decision left), and abandon compensates it."""
+def test_a_step_failing_after_a_cancel_request_ends_the_run_canceled(inproc) -> None:
+    """A cancel asked while a step ran that ignored it (no checkpoint) and then failed for good:
+    the run became a dead letter with its cancel request and no compensation (the torrent and
+    temp files left behind). Invariant 8 says a cancel stops the run and compensates it: it now
+    ends `canceled`, compensated once, and a retry has nothing to send back."""
     from proj.engine import runs
 
     ref = inproc.enqueue("opsreview_deaf", {}, idempotency_key=new_key())
@@ -145,7 +145,33 @@ def test_retry_of_a_dead_letter_asked_to_cancel_writes_nothing(inproc) -> None:
     time.sleep(0.3)
     inproc.cancel(ref.task_run_id, "withdrawn")
     wait_for(lambda: _status(ref.task_run_id) in ("failed", "canceled"), 20, what="the step to give up")
-    assert _status(ref.task_run_id) == "failed"
+    assert _status(ref.task_run_id) == "canceled"
+    assert scalar(
+        "SELECT status FROM engine.step WHERE run_id = %s AND name = 'work'", (ref.task_run_id,)
+    ) == ("failed")
+    assert (
+        scalar("SELECT count(*) FROM engine.step WHERE run_id = %s AND name = 'after'", (ref.task_run_id,))
+        == 0
+    )
+    wait_for(lambda: _undo_runs() == 1, 10, what="the compensation")
+    assert runs.retry_failed(ref.task_run_id) == 0
+    time.sleep(1.0)  # two sweeper ticks: still one compensation
+    assert _undo_runs() == 1 and _status(ref.task_run_id) == "canceled"
+
+
+def test_retry_of_a_dead_letter_asked_to_cancel_writes_nothing(inproc) -> None:
+    """A dead letter that carries a cancel request (left by the code before the test above, or
+    asked just as it failed) cannot have the request withdrawn by a retry: the retry returned 1
+    ("sent back to work") and the run was then canceled and compensated by the sweeper. Now the
+    retry writes nothing (abandon is the decision left), and abandon compensates it."""
+    from proj.engine import runs
+
+    ref = inproc.enqueue("opsreview_deaf", {"slow_s": 0.0}, idempotency_key=new_key())
+    wait_for(lambda: _status(ref.task_run_id) == "failed", 20, what="the dead letter")
+    sql(
+        "UPDATE engine.task_run SET cancel_requested_at = now(), cancel_reason = 'withdrawn' WHERE id = %s",
+        (ref.task_run_id,),
+    )
     ended = _finished_at(ref.task_run_id)
     assert runs.retry_failed(ref.task_run_id) == 0
     time.sleep(1.0)  # two sweeper ticks: what a reopened run with a cancel request comes to

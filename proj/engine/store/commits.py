@@ -17,7 +17,7 @@ fenced one returns None or False when the commit was refused.
 | `fail_or_retry` | running → failed (final) or pending after a backoff | |
 | `record_retry_error` | | `last_error` of the retried attempt (a live run only) |
 | `cancel_step` | running → canceled (the body stopped on a cancel request) | |
-| `fail_run` | | live → failed (a dead letter) |
+| `fail_run` | | live, no cancel asked → failed (a dead letter) |
 | `close_attempt` | an attempt that did not succeed is logged with its outcome (`step_attempt`) | |
 
 A success writes no attempt row. The step keeps its `lease_token` and `lease_owner` (only
@@ -262,11 +262,13 @@ CLOSE_ATTEMPT = text(
 )
 
 # Guard: only a live run becomes a dead letter (a finished one stays as it finished).
+# A run asked to cancel is not failed: its cancel is finished instead (`commits.fail_run`).
 FAIL_RUN = text(
     """
     UPDATE engine.task_run SET status = 'failed', last_error = CAST(:err AS jsonb),
            finished_at = now(), updated_at = now()
      WHERE id = :run AND status NOT IN ('succeeded', 'failed', 'canceled')
+       AND cancel_requested_at IS NULL
     RETURNING id, kind, version, trace, created_at, finished_at, parent_run_id,
               CASE WHEN result_awaited THEN pg_notify('engine_run_finished', id::text)::text END AS notified
     """
