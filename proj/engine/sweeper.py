@@ -17,11 +17,13 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -82,7 +84,8 @@ def sweep(*, wait: bool = False) -> SweepReport:
             if row.status == StepStatus.FAILED:
                 report.failed += 1
                 err = {**row.error, "step": row.name, "attempts": row.attempts}
-                to_publish.extend(fail_run(s, row.run_id, err))
+                # A run asked to cancel is finished as canceled, with its compensation: its kind.
+                to_publish.extend(_known(s, row.run_id, functools.partial(_fail, s, err=err)))
         for kind_name, version, key in _slots(s, [row.run_id for row in expired]):
             try:
                 kind = get_kind(kind_name, version)
@@ -126,6 +129,10 @@ def _known(s: Session, run_id: uuid.UUID, end: Callable[[uuid.UUID], list[Dispat
     except UnknownKind as exc:
         log.warning("sweep: run %s left to a process serving its version: %s", run_id, exc)
         return []
+
+
+def _fail(s: Session, run_id: uuid.UUID, *, err: dict[str, Any]) -> list[Dispatch]:
+    return fail_run(s, run_id, err)
 
 
 def _slots(s: Session, run_ids: list[uuid.UUID]) -> list[store.RunSlot]:

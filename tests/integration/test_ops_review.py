@@ -212,6 +212,26 @@ def test_a_run_of_a_version_this_process_does_not_know_does_not_stop_the_sweeper
     assert scalar("SELECT cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = %s", (alien,))
 
 
+def test_a_parent_cancels_with_a_child_of_an_unknown_version(published) -> None:
+    """A parent whose live child is of a version this process does not know (a rollout): the
+    cascade asks the child's kind for its cancel hook, and `UnknownKind` refused the operator's
+    cancel of the parent as a whole (and rolled back any sweep that failed or expired such a
+    parent). Now the parent is canceled and the child is left, untouched, to a process serving
+    its version (the orphan backstop of its sweep); this process' sweep goes on."""
+    from proj.engine import runs, sweeper
+
+    parent = published_run("probe", idempotency_key=new_key())
+    child = published_run("probe", idempotency_key=new_key())
+    sql("UPDATE engine.task_run SET version = 99, parent_run_id = %s WHERE id = %s", (parent, child))
+
+    runs.cancel(parent, "operator")
+    assert _status(parent) == "canceled"
+    assert _status(child) == "pending"
+    assert not scalar("SELECT cancel_requested_at IS NOT NULL FROM engine.task_run WHERE id = %s", (child,))
+    sweeper.sweep()  # the orphan backstop meets the child: left, and the sweep commits
+    assert _status(child) == "pending"
+
+
 def published_run(kind: str, *, idempotency_key: str):
     from proj.engine import runs
 
