@@ -137,9 +137,24 @@ def check_schema() -> Check:
         return Check("schema", "FAIL", _first_line(exc), "fix the postgres check first")
 
 
+# The engine's tables whose autovacuum is switched off one by one (`ALTER TABLE … SET
+# (autovacuum_enabled = false)`): the server-wide setting alone does not tell.
+AUTOVACUUM_OFF_TABLES = """
+    SELECT n.nspname || '.' || c.relname
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE n.nspname IN ('engine', 'ledger', 'outbox', 'acq') AND c.relkind = 'r'
+       AND 'autovacuum_enabled=false' = ANY (coalesce(c.reloptions, '{}'))
+     ORDER BY 1
+"""
+
+
 def check_autovacuum() -> Check:
     """The engine's claims and sweeps rely on partial indexes the planner only picks with
-    current statistics; with autovacuum off they go stale (tables planned as empty)."""
+    current statistics; with autovacuum off they go stale (tables planned as empty).
+
+    Off means any of: `autovacuum = off`, `track_counts = off` (autovacuum then never acts,
+    whatever it says), or a table of ours with `autovacuum_enabled = false`
+    (`tests/integration/test_cli.py::test_doctor_warns_of_autovacuum_off_for_one_table`)."""
     from sqlalchemy import text
 
     from proj import db
@@ -147,15 +162,21 @@ def check_autovacuum() -> Check:
     try:
         with db.get_engine().connect() as conn:
             on = conn.scalar(text("SHOW autovacuum")) == "on"
+            counts = conn.scalar(text("SHOW track_counts")) == "on"
+            tables = list(conn.scalars(text(AUTOVACUUM_OFF_TABLES)))
     except Exception as exc:
         return Check("autovacuum", "FAIL", _first_line(exc), "fix the postgres check first")
-    if on:
+    off = [w for w, bad in (("autovacuum = off", not on), ("track_counts = off", not counts)) if bad]
+    if tables:
+        off.append("autovacuum_enabled = false on " + ", ".join(tables))
+    if not off:
         return Check("autovacuum", "OK", "on")
     return Check(
         "autovacuum",
         "WARN",
-        "off: engine table statistics go stale, claims and sweeps may stop using their indexes",
-        "set autovacuum = on in postgresql.conf, or run ANALYZE on the engine schema regularly",
+        f"{'; '.join(off)}: engine table statistics go stale, claims and sweeps may stop using their indexes",
+        "set autovacuum = on and track_counts = on in postgresql.conf and reset the tables' "
+        "autovacuum_enabled, or run ANALYZE on the engine schema regularly",
     )
 
 

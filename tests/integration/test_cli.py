@@ -51,6 +51,20 @@ def test_doctor_passes_on_a_healthy_setup() -> None:
     assert ("autovacuum        │ OK" if autovacuum == "on" else "autovacuum        │ WARN") in out, out
 
 
+def test_doctor_warns_of_autovacuum_off_for_one_table() -> None:
+    """`autovacuum = on` server-wide said OK even with an engine table's own autovacuum switched
+    off (its statistics never refreshed); the check now names such tables."""
+    from proj.doctor import check_autovacuum
+
+    assert "engine.step" not in check_autovacuum().detail
+    sql("ALTER TABLE engine.step SET (autovacuum_enabled = false)")
+    try:
+        c = check_autovacuum()
+    finally:
+        sql("ALTER TABLE engine.step RESET (autovacuum_enabled)")
+    assert c.status == "WARN" and "autovacuum_enabled = false on engine.step" in c.detail, c
+
+
 def test_doctor_says_what_to_fix_and_hides_passwords() -> None:
     r = proj_subprocess(
         "doctor",
