@@ -470,7 +470,8 @@ def check_token(settings: Settings, authorization: str | None) -> JSONResponse |
     if not expected:
         return None
     scheme, _, value = (authorization or "").partition(" ")
-    if scheme.lower() == "bearer" and secrets.compare_digest(value.strip().encode(), expected.encode()):
+    sent = value.strip().encode("latin-1", "replace")  # the header's bytes: see `api.token_refusal`
+    if scheme.lower() == "bearer" and secrets.compare_digest(sent, expected.encode()):
         return None
     return JSONResponse(
         {"detail": "missing or wrong bearer token (METRICS_TOKEN)", "error": "Unauthorized"},

@@ -430,3 +430,16 @@ def test_the_admin_requests_page_pages_on_to_the_oldest(admin: TestClient, film:
     assert str(first) in older and "older →" not in older
     r = admin.get("/admin", params={"after": "nope"}, follow_redirects=False)
     assert r.status_code == 303
+
+
+def test_a_non_ascii_api_token_is_accepted(settings, film: bytes) -> None:
+    """The `Authorization` header reaches the app decoded as latin-1, and its text was compared
+    re-encoded as UTF-8: a non-ASCII `API_TOKEN` refused every request, its own included."""
+    token = "clé-" + uuid.uuid4().hex
+    with TestClient(
+        create_app(settings.model_copy(update={"api_token": SecretStr(token)})), raise_server_exceptions=False
+    ) as c:
+        r = c.get("/api/requests", headers={"Authorization": b"Bearer " + token.encode()})
+        assert r.status_code == 200, r.text
+        r = c.get("/api/requests", headers={"Authorization": b"Bearer " + token.replace("é", "e").encode()})
+        assert r.status_code == 401

@@ -297,3 +297,14 @@ def test_queue_depth_from_rabbitmq_by_passive_declare() -> None:
         finally:
             queue(conn.channel()).delete()
             queue.exchange(conn.channel()).delete()
+
+
+def test_a_non_ascii_metrics_token_matches(tmp_path: Path) -> None:
+    """The header reaches the app decoded as latin-1; its UTF-8 bytes were compared as if
+    re-encoded to UTF-8, so a non-ASCII `METRICS_TOKEN` could never match."""
+    token = "mét-" + uuid.uuid4().hex
+    with TestClient(create_app(settings_for(tmp_path, metrics_token=SecretStr(token)))) as c:
+        r = c.get("/metrics", headers={"Authorization": b"Bearer " + token.encode()})
+        assert r.status_code == 200 and "proj_runs" in r.text, r.text
+        wrong = c.get("/metrics", headers={"Authorization": b"Bearer " + token.replace("é", "e").encode()})
+        assert wrong.status_code == 401
