@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
@@ -553,21 +553,34 @@ def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]
 def cancel_children(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
     """Cancel every unfinished child of the run not asked to stop yet (and theirs, in turn).
 
-    Each child in a savepoint: a child of a version this process does not know (a rollout) has
-    a cancel hook and a compensation only a process serving it can run. `UnknownKind` used to
-    fail the parent's cancel, failure or expiry as a whole (the operator's cancel refused, a
-    sweep rolled back on every tick); now that child is left, and once the parent has ended the
-    orphan backstop of a sweep that knows its version cancels it
+    Each child through `if_served`: a child of a version this process does not know used to
+    fail the parent's cancel, failure or expiry as a whole; now it is left, and once the parent
+    has ended the orphan backstop of a sweep that knows its version cancels it
     (`tests/integration/test_ops_review.py::test_a_parent_cancels_with_a_child_of_an_unknown_version`).
     """
     out: list[Dispatch] = []
     for child_id in children_store.live_children(s, run_id):
-        try:
-            with s.begin_nested():
-                out += request_cancel(s, child_id, reason)
-        except UnknownKind as exc:
-            log.warning("child run %s left to a process serving its version: %s", child_id, exc)
+        out += if_served(s, child_id, lambda c: request_cancel(s, c, reason))
     return out
+
+
+def if_served(s: Session, run_id: uuid.UUID, end: Callable[[uuid.UUID], list[Dispatch]]) -> list[Dispatch]:
+    """`end(run_id)` (which ends or cancels the run) inside a savepoint; nothing, logged, when this
+    process does not know the run's version.
+
+    Why: ending a run needs its kind (cancel hook, compensation), and during a rollout this
+    process may not serve the run's version. `UnknownKind` then rolled back the whole
+    transaction: the operator's cancel refused, or a sweep rolled back on every tick, no lease
+    taken back and nothing re-sent for any run. Now that run is left as it was, for a process
+    serving its version (`tests/integration/test_ops_review.py::
+    test_a_run_of_a_version_this_process_does_not_know_does_not_stop_the_sweeper`).
+    """
+    try:
+        with s.begin_nested():
+            return end(run_id)
+    except UnknownKind as exc:
+        log.warning("run %s left to a process serving its version: %s", run_id, exc)
+        return []
 
 
 def finalize_cancel(s: Session, run_id: uuid.UUID) -> list[Dispatch]:

@@ -9,7 +9,7 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
 - live runs past their deadline with no live step end `failed` (`DeadlineExceeded`), with
   their compensation: a deadline wakes a parked run at once;
 - a limited kind's slot freed by an expired lease goes to the head of its line (`handoff`);
-- a run of a version this process does not know is left to one that does (`_known`);
+- a run of a version this process does not know is left to one that does (`chain.if_served`);
 - pending, due steps that were never published (broker down) or whose message seems lost
   (`republish_after_s`) are published, highest priority first; steps refused a slot are
   re-sent this way too, so a waiter is retried at least every `republish_after_s`.
@@ -21,16 +21,14 @@ import functools
 import json
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine import dispatch
 from proj.engine.admission import handoff
-from proj.engine.chain import expire_run, finalize_cancel, request_cancel
+from proj.engine.chain import expire_run, finalize_cancel, if_served, request_cancel
 from proj.engine.commits import fail_run
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
@@ -85,7 +83,7 @@ def sweep(*, wait: bool = False) -> SweepReport:
                 report.failed += 1
                 err = {**row.error, "step": row.name, "attempts": row.attempts}
                 # A run asked to cancel is finished as canceled, with its compensation: its kind.
-                to_publish.extend(_known(s, row.run_id, functools.partial(_fail, s, err=err)))
+                to_publish.extend(if_served(s, row.run_id, functools.partial(fail_run, s, err=err)))
         for kind_name, version, key in _slots(s, [row.run_id for row in expired]):
             try:
                 kind = get_kind(kind_name, version)
@@ -97,13 +95,13 @@ def sweep(*, wait: bool = False) -> SweepReport:
         to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
         cancels = store.cancels_to_finish(s, BATCH)
         for run_id in cancels:
-            to_publish.extend(_known(s, run_id, lambda r: finalize_cancel(s, r)))
+            to_publish.extend(if_served(s, run_id, lambda r: finalize_cancel(s, r)))
         report.cancel_checked = len(cancels)
         for run_id in children_store.orphaned_children(s, BATCH):
-            to_publish.extend(_known(s, run_id, lambda r: request_cancel(s, r, "its parent run ended")))
+            to_publish.extend(if_served(s, run_id, lambda r: request_cancel(s, r, "its parent run ended")))
         late = children_store.past_deadline(s, BATCH)
         for run_id in late:  # parked or between steps past the deadline: the run ends now
-            to_publish.extend(_known(s, run_id, lambda r: expire_run(s, r)))
+            to_publish.extend(if_served(s, run_id, lambda r: expire_run(s, r)))
         report.expired_runs = len(late)
         due = store.publish_due(s, again_s=settings.republish_after_s, n=BATCH)
         due = sorted(due, key=lambda r: (-r.priority, r.next_attempt_at))  # RETURNING has no order
@@ -113,26 +111,6 @@ def sweep(*, wait: bool = False) -> SweepReport:
     if report.expired or report.woken or report.published or report.failed or report.expired_runs:
         log.info("sweep: %s", json.dumps(report.__dict__))
     return report
-
-
-def _known(s: Session, run_id: uuid.UUID, end: Callable[[uuid.UUID], list[Dispatch]]) -> list[Dispatch]:
-    """End a run (finalize its cancel, cancel it as an orphan, expire it) inside a savepoint.
-
-    Why: ending a run needs its kind (cancel hook, compensation), and during a rollout this
-    process may not know the run's version. `UnknownKind` then rolled back the whole sweep, on
-    every tick: no lease taken back, nothing re-sent, for any run. Now that run is left as it
-    was, for a process serving its version (`tests/integration/test_ops_review.py::
-    test_a_run_of_a_version_this_process_does_not_know_does_not_stop_the_sweeper`)."""
-    try:
-        with s.begin_nested():
-            return end(run_id)
-    except UnknownKind as exc:
-        log.warning("sweep: run %s left to a process serving its version: %s", run_id, exc)
-        return []
-
-
-def _fail(s: Session, run_id: uuid.UUID, *, err: dict[str, Any]) -> list[Dispatch]:
-    return fail_run(s, run_id, err)
 
 
 def _slots(s: Session, run_ids: list[uuid.UUID]) -> list[store.RunSlot]:

@@ -267,6 +267,15 @@ def _bucket_of(bounds: Sequence[float], le: float) -> int:
     return len(bounds)
 
 
+def _fold(bounds: Sequence[float], buckets: dict[int, int], le: str, n: int) -> float:
+    """Add one row purge folded (`_base`) to `buckets`; the seconds it adds to the sum."""
+    if le == "sum_us":
+        return n / 1_000_000
+    k = _bucket_of(bounds, float(le))
+    buckets[k] = buckets.get(k, 0) + n
+    return 0.0
+
+
 def _base(s: Executor, name: str) -> list[tuple[list[str], int]]:
     rows = s.execute(HISTOGRAM_BASE, {"prefix": f'["{name}",%'})
     return [(list(r.key), int(r.value)) for r in rows]
@@ -282,12 +291,7 @@ def step_durations(s: Executor) -> dict[tuple[str, str], Histogram]:
         totals[key] = totals.get(key, 0.0) + float(r.total or 0.0)
     for (_, kind, step_name, le), n in _base(s, "step_duration_seconds"):
         key = (kind, step_name)
-        buckets = per.setdefault(key, {})
-        if le == "sum_us":
-            totals[key] = totals.get(key, 0.0) + n / 1_000_000
-        else:
-            k = _bucket_of(STEP_DURATION_BOUNDS, float(le))
-            buckets[k] = buckets.get(k, 0) + n
+        totals[key] = totals.get(key, 0.0) + _fold(STEP_DURATION_BOUNDS, per.setdefault(key, {}), le, n)
     return {key: cumulative(STEP_DURATION_BOUNDS, b, totals.get(key, 0.0)) for key, b in sorted(per.items())}
 
 
@@ -299,9 +303,5 @@ def signal_wakes(s: Executor) -> Histogram:
         per[int(r.bucket)] = int(r.n)
         total += float(r.total or 0.0)
     for (_, le), n in _base(s, "signal_wake_seconds"):
-        if le == "sum_us":
-            total += n / 1_000_000
-        else:
-            k = _bucket_of(SIGNAL_WAKE_BOUNDS, float(le))
-            per[k] = per.get(k, 0) + n
+        total += _fold(SIGNAL_WAKE_BOUNDS, per, le, n)
     return cumulative(SIGNAL_WAKE_BOUNDS, per, total)
