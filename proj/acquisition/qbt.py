@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import qbittorrentapi
@@ -40,25 +41,22 @@ def find(infohash: str) -> Any | None:
 
 def wait_listed(infohash: str, timeout: float = 15.0) -> Any:
     """qBittorrent answers "Ok." before the torrent is listed; wait until it is."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while (t := find(infohash)) is None:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"qBittorrent did not list {infohash} after adding it")
-        time.sleep(0.1)
-    return t
+    return _wait_listing(infohash, True, timeout, f"qBittorrent did not list {infohash} after adding it")
 
 
 def wait_unlisted(infohash: str, timeout: float = 15.0) -> None:
     """After a delete: wait until qBittorrent no longer lists the torrent."""
-    import time
+    _wait_listing(infohash, False, timeout, f"qBittorrent still lists {infohash} after deleting it")
 
+
+def _wait_listing(infohash: str, listed: bool, timeout: float, failure: str) -> Any:
+    """Poll until the torrent is listed (`listed`) or not; the torrent, or None."""
     deadline = time.monotonic() + timeout
-    while find(infohash) is not None:
+    while ((t := find(infohash)) is not None) != listed:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"qBittorrent still lists {infohash} after deleting it")
+            raise RuntimeError(failure)
         time.sleep(0.1)
+    return t
 
 
 COMPLETE_STATES = {"uploading", "stalledUP", "pausedUP", "stoppedUP", "queuedUP", "forcedUP", "checkingUP"}

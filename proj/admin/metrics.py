@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import shutil
 import threading
 import time
@@ -48,6 +47,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, create_engine, exc, text
 from sqlalchemy.pool import NullPool
 
+from proj.admin.bearer import bearer_matches
 from proj.engine.store import stats
 from proj.settings import Settings, sqlalchemy_url
 
@@ -469,9 +469,7 @@ def check_token(settings: Settings, authorization: str | None) -> JSONResponse |
     expected = settings.metrics_token.get_secret_value() if settings.metrics_token else ""
     if not expected:
         return None
-    scheme, _, value = (authorization or "").partition(" ")
-    sent = value.strip().encode("latin-1", "replace")  # the header's bytes: see `api.token_refusal`
-    if scheme.lower() == "bearer" and secrets.compare_digest(sent, expected.encode()):
+    if bearer_matches(authorization, expected):
         return None
     return JSONResponse(
         {"detail": "missing or wrong bearer token (METRICS_TOKEN)", "error": "Unauthorized"},
