@@ -13,10 +13,19 @@ history (succeeded/canceled counts, dispatched events, the two histograms: secon
 served from its last read (`HistoryCache`); the first scrape waits for it up to the bound.
 
 Bounds: a scrape opens one short connection with `connect_timeout` and `statement_timeout`
-from `METRICS_TIMEOUT_S`, so a down or locked database answers 503 with the reason instead of
-hanging (`tests/integration/test_metrics.py::test_database_down_answers_503_quickly`, `::test_locked_…`).
-The broker is read with the same bound; if it does not answer, `proj_queue_messages` is left
-out and the scrape still succeeds.
+from `METRICS_TIMEOUT_S`, so a down or locked database never hangs it. Such a scrape still
+answers 200, the exporter convention (postgres_exporter's `pg_up`): a 503 made Prometheus mark the
+whole target down (`up == 0`), so "Postgres is down" looked like "the admin is down" and the
+broker's queue depth, which needs no database, was lost with it. `proj_database_up` is 1 on
+every scrape that read Postgres and 0 on one that did not; then `proj_database_error{reason}`
+says why in one of four short words (`connect_failed`, `connect_timeout`, `statement_timeout`,
+`query_failed`: low cardinality; the full message is logged), and only what needs no database
+follows (`proj_queue_messages`, `proj_library_free_bytes`). No family read from the database is
+served then, not even from the history cache: a stale number would look live
+(`tests/integration/test_metrics.py::test_database_down_answers_quickly_with_database_up_0`,
+`::test_locked_table_answers_database_up_0_within_the_statement_timeout`). `/admin/overview`,
+a page for people, still answers 503 with the reason. The broker is read with the same bound;
+if it does not answer, `proj_queue_messages` is left out and the scrape still succeeds.
 
 Auth: not behind the admin's Basic auth (Prometheus scrapes with a bearer token); when
 `METRICS_TOKEN` is set, a missing or wrong token is a 401 JSON answer.
@@ -34,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Annotated
 
+import psycopg
 from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -70,8 +80,21 @@ REDIS_PRIORITY_SEP = "\x06\x16"  # kombu's Redis transport: `<queue>\x06\x16<pri
 REDIS_PRIORITY_STEPS = (0, 3, 6, 9)
 
 
+# `proj_database_error{reason}`: why a scrape could not read Postgres, one of these (a closed
+# set, so the label never grows with error messages; `_reason_class`).
+CONNECT_FAILED = "connect_failed"  # refused, unknown host, authentication, too many clients, …
+CONNECT_TIMEOUT = "connect_timeout"  # no answer within METRICS_TIMEOUT_S (a hung server, a lost route)
+STATEMENT_TIMEOUT = "statement_timeout"  # connected, but a read hit statement_ or lock_timeout
+QUERY_FAILED = "query_failed"  # connected, then a read failed otherwise (connection cut, schema)
+
+
 class MetricsUnavailable(RuntimeError):
-    """The database did not answer within the scrape's bound; the message says why."""
+    """The database did not answer within the scrape's bound; the message says why, `reason`
+    is its short class (`CONNECT_FAILED`, `CONNECT_TIMEOUT`, `STATEMENT_TIMEOUT`, `QUERY_FAILED`)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # ------------------------------------------------------------------------------ snapshot
@@ -124,6 +147,16 @@ class Snapshot:
         return out
 
 
+@dataclass(frozen=True)
+class Outage:
+    """A scrape whose database did not answer: why (a short class), and what is known without
+    Postgres. None where that is not known either (broker silent, no LIBRARY_ROOT)."""
+
+    reason: str
+    queues: dict[str, int] | None = None
+    library_free_bytes: int | None = None
+
+
 def metrics_engine(settings: Settings, statement_timeout_s: float | None = None) -> Engine:
     """A pool-less engine whose every connection is bounded: a scrape never hangs on Postgres.
 
@@ -154,8 +187,10 @@ def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False)
     `overview`: also the last hour of finished runs, for `/admin/overview`.
     Raises `MetricsUnavailable` when Postgres cannot be read within the bound.
     """
+    connected = False
     try:
         with engine.connect() as conn:
+            connected = True
             snap = Snapshot(
                 live_runs=stats.live_run_counts(conn),
                 steps=stats.step_counts(conn),
@@ -166,7 +201,7 @@ def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False)
             )
             read_outbox(conn, snap)
     except exc.DBAPIError as e:
-        raise MetricsUnavailable(f"database unavailable: {_reason(e)}") from e
+        raise MetricsUnavailable(f"database unavailable: {_reason(e)}", _reason_class(e, connected)) from e
     snap.queues = queue_depths(settings)
     snap.library_free_bytes = library_free_bytes(settings.library_root)
     return snap
@@ -227,6 +262,19 @@ class HistoryCache:
 def _reason(e: exc.DBAPIError) -> str:
     first = str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e)
     return first[:300]
+
+
+def _reason_class(e: exc.DBAPIError, connected: bool) -> str:
+    """The short class of a failed read, for `proj_database_error{reason}`: a connect refused
+    (`connect_failed`), a silent server (`connect_timeout`) and an unmigrated database
+    (`query_failed`) in `tests/integration/test_metrics.py::
+    test_database_down_answers_quickly_with_database_up_0`, a locked table (`statement_timeout`)
+    in `::test_locked_table_answers_database_up_0_within_the_statement_timeout`."""
+    if isinstance(e.orig, (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)):
+        return STATEMENT_TIMEOUT
+    if connected:
+        return QUERY_FAILED
+    return CONNECT_TIMEOUT if isinstance(e.orig, psycopg.errors.ConnectionTimeout) else CONNECT_FAILED
 
 
 def read_outbox(conn: stats.Executor, snap: Snapshot) -> None:
@@ -309,20 +357,50 @@ def amqp_depths(url: str, queues: list[str], timeout_s: float) -> dict[str, int]
 
 
 class EngineCollector(Collector):
-    """Metric families from a `Snapshot`; `describe()` names every family it can export."""
+    """Metric families from a `Snapshot` (the database answered) or an `Outage` (it did not);
+    `describe()` names every family it can export."""
 
-    def __init__(self, snapshot: Snapshot | None = None) -> None:
-        self.snapshot = snapshot
+    def __init__(self, state: Snapshot | Outage | None = None) -> None:
+        self.state = state
 
     def describe(self) -> Iterable[Metric]:
         return list(_families(None))
 
     def collect(self) -> Iterable[Metric]:
-        return list(_families(self.snapshot))
+        return list(_families(self.state))
 
 
-def _families(snap: Snapshot | None) -> Iterator[Metric]:
-    """Each family once; filled from `snap`, or empty (its name and type only) without one."""
+def _families(state: Snapshot | Outage | None) -> Iterator[Metric]:
+    """Each family once; filled from `state`, or empty (its name and type only) without one.
+    An `Outage` yields only the families that need no database: none read from it, not even
+    empty, so nothing stale or misleading stands beside `proj_database_up 0`."""
+    up = GaugeMetricFamily(
+        "proj_database_up", "1 if this scrape read Postgres within METRICS_TIMEOUT_S, 0 if it did not"
+    )
+    error = GaugeMetricFamily(
+        "proj_database_error",
+        "Why this scrape could not read Postgres (1 while proj_database_up is 0): "
+        "connect_failed, connect_timeout, statement_timeout or query_failed",
+        labels=["reason"],
+    )
+    queues = GaugeMetricFamily("proj_queue_messages", "Messages waiting in the broker", labels=["queue"])
+    free = GaugeMetricFamily("proj_library_free_bytes", "Free bytes on the library's file system")
+    if state is not None:
+        up.add_metric([], 1 if isinstance(state, Snapshot) else 0)
+        if isinstance(state, Outage):
+            error.add_metric([state.reason], 1)
+        for q, n in sorted((state.queues or {}).items()):
+            queues.add_metric([q], n)
+        if state.library_free_bytes is not None:
+            free.add_metric([], state.library_free_bytes)
+    yield from (up, error)
+    if not isinstance(state, Outage):
+        yield from _database_families(state)
+    yield from (queues, free)
+
+
+def _database_families(snap: Snapshot | None) -> Iterator[Metric]:
+    """The families read from Postgres; filled from `snap`, or empty without one."""
     runs = GaugeMetricFamily(
         "proj_runs", "Runs by kind, version and status", labels=["kind", "version", "status"]
     )
@@ -343,18 +421,16 @@ def _families(snap: Snapshot | None) -> Iterator[Metric]:
     wakes = HistogramMetricFamily(
         "proj_signal_wake_seconds", "Signal to the woken wait step claimed again (rows still present)"
     )
-    queues = GaugeMetricFamily("proj_queue_messages", "Messages waiting in the broker", labels=["queue"])
     workers = GaugeMetricFamily("proj_workers_alive", "Worker processes holding a liveness session")
-    free = GaugeMetricFamily("proj_library_free_bytes", "Free bytes on the library's file system")
     if snap is not None:
-        _fill(snap, runs, steps, dead, outbox, oldest, recov, durations, wakes, queues, workers, free)
-    yield from (runs, steps, dead, outbox, oldest, recov, durations, wakes, queues, workers, free)
+        _fill(snap, runs, steps, dead, outbox, oldest, recov, durations, wakes, workers)
+    yield from (runs, steps, dead, outbox, oldest, recov, durations, wakes, workers)
 
 
 def _fill(snap: Snapshot, runs: GaugeMetricFamily, steps: GaugeMetricFamily, dead: GaugeMetricFamily,
           outbox: GaugeMetricFamily, oldest: GaugeMetricFamily, recov: CounterMetricFamily,
-          durations: HistogramMetricFamily, wakes: HistogramMetricFamily, queues: GaugeMetricFamily,
-          workers: GaugeMetricFamily, free: GaugeMetricFamily) -> None:  # fmt: skip
+          durations: HistogramMetricFamily, wakes: HistogramMetricFamily,
+          workers: GaugeMetricFamily) -> None:  # fmt: skip
     for r in snap.runs:
         runs.add_metric([r.kind, str(r.version), r.status], r.n)
     for status in STEP_STATUSES:
@@ -370,11 +446,7 @@ def _fill(snap: Snapshot, runs: GaugeMetricFamily, steps: GaugeMetricFamily, dea
         durations.add_metric([kind, step], _buckets(h), h.total)
     if snap.history is not None:
         wakes.add_metric([], _buckets(snap.history.signal_wakes), snap.history.signal_wakes.total)
-    for q, n in sorted((snap.queues or {}).items()):
-        queues.add_metric([q], n)
     workers.add_metric([], snap.workers_alive)
-    if snap.library_free_bytes is not None:
-        free.add_metric([], snap.library_free_bytes)
 
 
 def _buckets(h: stats.Histogram) -> list[tuple[str, float]]:
@@ -396,10 +468,10 @@ def exported_series() -> set[str]:
     return out
 
 
-def render(snapshot: Snapshot) -> bytes:
-    """The Prometheus text exposition of one snapshot."""
+def render(state: Snapshot | Outage) -> bytes:
+    """The Prometheus text exposition of one scrape: a snapshot, or an outage."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(snapshot))
+    registry.register(EngineCollector(state))
     return generate_latest(registry)
 
 
@@ -425,7 +497,8 @@ class Source:
         return self._engines[name]
 
     def snapshot(self, *, overview: bool = False) -> Snapshot:
-        """Fast part now (503 if the database does not answer), then the history as last read."""
+        """Fast part now, then the history as last read; `MetricsUnavailable` if the database
+        does not answer (`/metrics` serves an `Outage` then, `/admin/overview` a 503)."""
         snap = read_snapshot(self._engine("fast"), self.settings, overview=overview)
         snap.history = self.history.get()
         if (
@@ -438,8 +511,9 @@ class Source:
 
 
 def metrics_router(settings: Settings, source: Source) -> APIRouter:
-    """`GET /metrics`, open or behind `METRICS_TOKEN`; 503 with the reason when the database
-    cannot be read within `METRICS_TIMEOUT_S`."""
+    """`GET /metrics`, open or behind `METRICS_TOKEN`. Always 200 past the token: when the
+    database cannot be read within `METRICS_TIMEOUT_S`, `proj_database_up 0` with the reason's
+    class and what needs no database (the module docstring says why)."""
     router = APIRouter()
 
     @router.get("/metrics", include_in_schema=False)
@@ -447,18 +521,17 @@ def metrics_router(settings: Settings, source: Source) -> APIRouter:
         refused = check_token(settings, authorization)
         if refused is not None:
             return refused
+        state: Snapshot | Outage
         try:
-            snapshot = source.snapshot()
+            state = source.snapshot()
         except MetricsUnavailable as e:
             log.warning("metrics: %s", e)
-            return JSONResponse(
-                {"detail": str(e), "error": "MetricsUnavailable"},
-                status_code=503,
-                headers={"Retry-After": "5", "Cache-Control": "no-store"},
+            state = Outage(
+                e.reason,
+                queues=queue_depths(settings),
+                library_free_bytes=library_free_bytes(settings.library_root),
             )
-        return Response(
-            render(snapshot), media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"}
-        )
+        return Response(render(state), media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
 
     return router
 

@@ -1,8 +1,10 @@
 """`/metrics` against real Postgres and Redis: the numbers, the token, a database that is down or
-locked (503 with the reason, never a hang)."""
+locked (200 with `proj_database_up 0`, the reason's class and only what needs no database; never a
+hang)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import threading
@@ -20,7 +22,7 @@ from pydantic import SecretStr
 from proj.admin.app import create_app
 from proj.admin.metrics import exported_series
 from proj.settings import Settings, get_settings
-from tests.conftest import new_key
+from tests.conftest import PG_ADMIN_URL, new_key
 from tests.support.services import pg_url, scalar, sql, wait_for
 
 PASSWORD = "pw-" + uuid.uuid4().hex
@@ -36,6 +38,11 @@ def settings_for(tmp: Path, **update: object) -> Settings:
 def scrape(tmp_path: Path) -> Iterator[TestClient]:
     with TestClient(create_app(settings_for(tmp_path))) as c:
         yield c
+
+
+def families(body: str) -> set[str]:
+    """The metric families a scrape declares (with or without samples)."""
+    return {fam.name for fam in text_string_to_metric_families(body)}
 
 
 def samples(body: str) -> Samples:
@@ -119,6 +126,8 @@ def test_scrape_reports_the_engine_state(inproc, scrape: TestClient, tmp_path: P
     assert value(got, "proj_lease_recoveries_total") == 1
     assert value(got, "proj_workers_alive") == 1  # this process' liveness session (inproc worker)
     assert value(got, "proj_library_free_bytes") == pytest.approx(shutil.disk_usage(tmp_path).free, rel=0.05)
+    assert value(got, "proj_database_up") == 1
+    assert not [k for k in got if k[0] == "proj_database_error"]  # only while the database is down
 
     # Step durations per kind and step: every succeeded probe s1 (the recovered one too).
     assert value(got, "proj_step_duration_seconds_count", kind="probe", step="s1") == 3
@@ -138,8 +147,9 @@ def test_scrape_reports_the_engine_state(inproc, scrape: TestClient, tmp_path: P
     assert value(got, "proj_queue_messages", queue="engine") >= 0
     assert ("proj_queue_messages", (("queue", "probe.v1"),)) in got
 
-    # Every series the collector declares is in a real scrape (what the dashboard relies on).
-    assert exported_series() <= {name for name, _ in got}
+    # Every series the collector declares is in a real scrape (what the dashboard relies on);
+    # `proj_database_error` in one whose database is down (test_database_down_…).
+    assert exported_series() - {"proj_database_error"} <= {name for name, _ in got}
 
     # Derived from the tables: another admin process (a restart) reports the same numbers.
     with TestClient(create_app(settings_for(tmp_path))) as again:
@@ -230,28 +240,69 @@ def silent_port() -> Iterator[int]:
         yield int(srv.getsockname()[1])
 
 
-def test_database_down_answers_503_quickly(tmp_path: Path, silent_port: int) -> None:
+# What a scrape whose database did not answer holds: nothing read from Postgres.
+WITHOUT_DATABASE = {
+    "proj_database_up",
+    "proj_database_error",
+    "proj_queue_messages",
+    "proj_library_free_bytes",
+}
+
+
+def test_database_down_answers_quickly_with_database_up_0(
+    tmp_path: Path, silent_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The exporter convention (postgres_exporter's `pg_up`): 200, `proj_database_up 0`, the
+    reason's short class, the broker's queue depth (it needs no database) and no family read from
+    Postgres. Was a 503 JSON answer, so Prometheus saw the admin itself as down."""
     cases = {
-        "refused": "postgresql://postgres@127.0.0.1:1/proj",  # nothing listens
-        "silent": f"postgresql://postgres@127.0.0.1:{silent_port}/proj",  # only the timeout ends it
+        "refused": ("postgresql://postgres@127.0.0.1:1/proj", "connect_failed"),  # nothing listens
+        # only the timeout ends it
+        "silent": (f"postgresql://postgres@127.0.0.1:{silent_port}/proj", "connect_timeout"),
+        "unmigrated": (PG_ADMIN_URL, "query_failed"),  # it connects; engine.task_run is not there
     }
-    for case, url in cases.items():
-        with TestClient(create_app(settings_for(tmp_path, database_url=url))) as c:
+    for case, (url, reason) in cases.items():
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING, logger="proj.admin.metrics"),
+            TestClient(create_app(settings_for(tmp_path, database_url=url))) as c,
+        ):
             began = time.monotonic()
             r = c.get("/metrics")
             took = time.monotonic() - began
-        assert r.status_code == 503, (case, r.text)
-        assert r.json()["error"] == "MetricsUnavailable"
-        assert r.json()["detail"].startswith("database unavailable: "), r.json()
+        assert r.status_code == 200, (case, r.text)
+        assert r.headers["content-type"].startswith("text/plain"), case
+        got = samples(r.text)
+        assert value(got, "proj_database_up") == 0, case
+        assert [k for k in got if k[0] == "proj_database_error"] == [
+            ("proj_database_error", (("reason", reason),))
+        ], (case, r.text)
+        assert value(got, "proj_database_error", reason=reason) == 1
+        assert value(got, "proj_queue_messages", queue="engine") >= 0  # the broker still answers
+        assert value(got, "proj_library_free_bytes") > 0
+        assert families(r.text) == WITHOUT_DATABASE, (case, r.text)  # no stale or empty engine family
+        # The full reason is logged, not put in a label.
+        logged = [rec.getMessage() for rec in caplog.records if rec.name == "proj.admin.metrics"]
+        assert any(m.startswith("metrics: database unavailable: ") for m in logged), (case, logged)
         if case == "silent":
-            assert "timeout" in r.json()["detail"], r.json()
+            assert any("timeout" in m for m in logged), logged
         assert took < 15, f"{case}: a scrape of a dead database took {took:.1f}s"
         with TestClient(create_app(settings_for(tmp_path, database_url=url))) as c:
             page = c.get("/admin/overview", auth=("admin", PASSWORD))
-        assert page.status_code == 503 and "database unavailable" in page.text
+        assert page.status_code == 503 and "database unavailable" in page.text  # a page for people
 
 
-def test_locked_table_answers_503_within_the_statement_timeout(scrape: TestClient) -> None:
+def test_locked_table_answers_database_up_0_within_the_statement_timeout(scrape: TestClient) -> None:
+    """A locked table is a statement timeout: `proj_database_up 0` within the bound, and no
+    history served from the cache of the scrape before (a stale number would look live)."""
+    sql(
+        "INSERT INTO engine.task_run (id, kind, version, idempotency_key, input, input_hash, status) "
+        "VALUES (gen_random_uuid(), 'probe', 1, %s, '{}', 'h', 'succeeded')",
+        (new_key(),),
+    )
+    before = samples(scrape.get("/metrics").text)  # the history is read and cached
+    assert value(before, "proj_database_up") == 1
+    assert value(before, "proj_runs", kind="probe", version="1", status="succeeded") == 1
     locked, release = threading.Event(), threading.Event()
 
     def hold_lock() -> None:
@@ -270,10 +321,17 @@ def test_locked_table_answers_503_within_the_statement_timeout(scrape: TestClien
     finally:
         release.set()
         holder.join(10)
-    assert r.status_code == 503, r.text
-    assert "timeout" in r.json()["detail"] or "canceling statement" in r.json()["detail"]
+    assert r.status_code == 200, r.text
+    got = samples(r.text)
+    assert value(got, "proj_database_up") == 0
+    assert value(got, "proj_database_error", reason="statement_timeout") == 1
+    assert families(r.text) == WITHOUT_DATABASE, r.text
     assert took < 15, f"a scrape of a locked table took {took:.1f}s"
-    assert scrape.get("/metrics").status_code == 200  # lock gone: answers again
+    again = scrape.get("/metrics")  # lock gone: answers again
+    assert again.status_code == 200 and value(samples(again.text), "proj_database_up") == 1
+    assert "proj_runs" in families(again.text) and "proj_database_error" not in {
+        n for n, _ in samples(again.text)
+    }
 
 
 def test_queue_depth_from_rabbitmq_by_passive_declare() -> None:
