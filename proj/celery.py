@@ -186,9 +186,35 @@ def _child_init(**_: object) -> None:
     db.reset_after_fork()
     # Take this child's liveness lock and start its reaper now, not at its first claim: an idle
     # child is what recovers a dead sibling's step in about a second (`proj.engine.liveness`).
+    # The same session says which version queues this worker consumes, so the sweeper re-sends
+    # lost messages to them (and not, forever, to a queue nobody reads).
     from proj.engine.liveness import LIVENESS
 
-    LIVENESS.owner()
+    LIVENESS.serve(consumed_versions())
+
+
+@signals.worker_ready.connect
+def _pool_ready(sender: object = None, **_: object) -> None:
+    """A worker without prefork children (`-P threads`, `-P solo`) claims in its own process:
+    it says there which version queues it consumes. A prefork parent claims nothing and opens no
+    liveness session; its children say it (`_child_init`)."""
+    from celery.concurrency.prefork import TaskPool
+
+    if isinstance(getattr(sender, "pool", None), TaskPool):
+        return
+    from proj.engine.liveness import LIVENESS
+
+    LIVENESS.serve(consumed_versions())
+
+
+def consumed_versions() -> list[tuple[str, int]]:
+    """The (kind, version) queues this worker consumes: the served kinds (`ENGINE_SERVE`), less
+    any queue a `-Q` list leaves out."""
+    from proj.engine.kind import served_kinds
+
+    selected = app.amqp.queues.consume_from  # set by `-Q`; empty or None: every declared queue
+    kinds = served_kinds(get_settings().engine_serve)
+    return [(k.name, k.version) for k in kinds if not selected or k.queue in selected]
 
 
 @signals.worker_process_shutdown.connect

@@ -21,6 +21,8 @@ How:
   postmaster start in the owner no longer matches, so those steps also fall back to the lease.
 - Without a liveness connection (database down at claim time, or `REAP_INTERVAL_S=0`) the owner
   is plain `host:pid` and only the lease applies.
+- The same session says which version queues the process consumes (`serve`, shared advisory
+  locks): the sweeper re-sends a seemingly lost message only to a queue someone consumes.
 
 Proof: `tests/faults/test_recovery_fast.py` (kill -9 of a worker and of a prefork child with
 `LEASE_TTL_S=15`: resumed in about a second, the effect once; SIGSTOP keeps the lease).
@@ -34,7 +36,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psycopg
 
@@ -64,7 +66,9 @@ class Liveness:
     """This process' liveness lock, its lease owner name, and the reaper loop."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._serving: set[tuple[str, int]] = set()  # version queues this process consumes
+        self._held: set[tuple[str, int]] = set()  # ... said so on the current session
         self._pid = 0
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._owner = ""
@@ -89,6 +93,7 @@ class Liveness:
             # A forked child inherits the parent's connection object: never close or use it
             # (closing would end the parent's session and so release the parent's lock).
             self._conn, self._owner, self._key, self._pid = None, "", 0, os.getpid()
+            self._held = set()
             self._stop.clear()
             if get_settings().reap_interval_s <= 0:
                 return
@@ -129,6 +134,33 @@ class Liveness:
         self._key = key
         self._conn = conn
         self._owner = f"{self._plain()}#{key}@{postmaster_start}"
+        self._held = set()
+        self._say_served()
+
+    def serve(self, versions: Iterable[tuple[str, int]]) -> None:
+        """Say, on this process' liveness session, that it consumes these (kind, version) queues.
+
+        Why: the sweeper re-sends a step whose message seems lost only to a queue some live
+        process consumes (`store.recovery.PUBLISH_DUE`). Without it, each step of a version
+        nobody serves put one more message in that queue every `REPUBLISH_AFTER_S`. Said once
+        per session (taken again after a reconnect); the session's end withdraws it
+        (`tests/integration/test_unserved_versions.py`)."""
+        with self._lock:
+            self._serving |= set(versions)
+        self.owner()  # the session, if this process has none yet
+        self._say_served()
+
+    def _say_served(self) -> None:
+        with self._lock:
+            conn, new = self._conn, sorted(self._serving - self._held)
+            if conn is None or not new:
+                return
+            try:
+                store.serve_versions(conn, new)
+            except psycopg.Error as exc:  # the reaper's next tick reconnects and says it again
+                log.warning("liveness: could not register the served queues (%s)", exc)
+                return
+            self._held |= set(new)
 
     def _loop(self) -> None:
         while not self._stop.wait(get_settings().reap_interval_s):
@@ -169,6 +201,7 @@ class Liveness:
         """Release the lock (tests, `engine.stop()`): this process' leases stay as they are."""
         self._stop.set()
         conn, self._conn, self._owner, self._key, self._pid = self._conn, None, "", 0, 0
+        self._held, self._serving = set(), set()
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()

@@ -9,7 +9,9 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
 - live runs past their deadline with no live step end `failed` (`DeadlineExceeded`), with
   their compensation: a deadline wakes a parked run at once;
 - a limited kind's slot freed by an expired lease goes to the head of its line (`handoff`);
-- a run of a version this process does not know is left to one that does (`chain.if_served`);
+- a run of a version this process does not know is left to one that does: the statements that
+  pick runs to end take only known versions (`Known`), so such runs neither fill the batch nor
+  roll the sweep back (`chain.if_served` stays as the guard for a child met by a cascade);
 - pending, due steps that were never published (broker down) or whose message seems lost
   (`republish_after_s`) are published, highest priority first; steps refused a slot are
   re-sent this way too, so a waiter is retried at least every `republish_after_s`.
@@ -32,13 +34,14 @@ from proj.engine.chain import expire_run, finalize_cancel, if_served, request_ca
 from proj.engine.commits import fail_run
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
-from proj.engine.kind import get_kind
+from proj.engine.kind import all_kinds, get_kind
 from proj.engine.liveness import on_dead_owners
 from proj.engine.runs import woken_dispatches
 from proj.engine.status import StepStatus
 from proj.engine.store import children as children_store
 from proj.engine.store import recovery as store
 from proj.engine.store import stats, waits
+from proj.engine.store.rows import Known
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -73,7 +76,8 @@ def sweep(*, wait: bool = False) -> SweepReport:
         elif not store.try_lock_sweep(s):
             report.skipped = True
             return report
-        expired = store.expire_leases(s, BATCH)
+        known = known_versions()
+        expired = store.expire_leases(s, BATCH, known)
         report.expired = len(expired)
         if expired:  # `proj_lease_recoveries_total`, counted where the lease is taken back
             stats.count_lease_recoveries(s, len(expired))
@@ -93,13 +97,13 @@ def sweep(*, wait: bool = False) -> SweepReport:
         woken = woken_dispatches(waits.wake_due_timers(s, BATCH))
         report.woken = len(woken)
         to_publish.extend(dispatch.batched(woken, dispatch.wake_batch_size()))
-        cancels = store.cancels_to_finish(s, BATCH)
+        cancels = store.cancels_to_finish(s, BATCH, known)
         for run_id in cancels:
             to_publish.extend(if_served(s, run_id, lambda r: finalize_cancel(s, r)))
         report.cancel_checked = len(cancels)
-        for run_id in children_store.orphaned_children(s, BATCH):
+        for run_id in children_store.orphaned_children(s, BATCH, known):
             to_publish.extend(if_served(s, run_id, lambda r: request_cancel(s, r, "its parent run ended")))
-        late = children_store.past_deadline(s, BATCH)
+        late = children_store.past_deadline(s, BATCH, known)
         for run_id in late:  # parked or between steps past the deadline: the run ends now
             to_publish.extend(if_served(s, run_id, lambda r: expire_run(s, r)))
         report.expired_runs = len(late)
@@ -111,6 +115,12 @@ def sweep(*, wait: bool = False) -> SweepReport:
     if report.expired or report.woken or report.published or report.failed or report.expired_runs:
         log.info("sweep: %s", json.dumps(report.__dict__))
     return report
+
+
+def known_versions() -> Known:
+    """The (kind, version) pairs declared in this process: the runs its sweep can end."""
+    kinds = all_kinds()
+    return Known([k.name for k in kinds], [k.version for k in kinds])
 
 
 def _slots(s: Session, run_ids: list[uuid.UUID]) -> list[store.RunSlot]:

@@ -48,6 +48,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj.engine.status import RunStatus
+from proj.engine.store.rows import Known
 
 RUN_FINISHED_CHANNEL = "engine_run_finished"
 
@@ -91,6 +92,8 @@ ORPHANED_CHILDREN = text(
                 WHERE ps.run_id = p.id AND ps.status = 'failed'
                   AND c.idempotency_key
                       = 'child:' || p.id::text || ':' || ps.name || ':' || ps.item_index::text))
+       AND (c.kind, c.version) IN (SELECT * FROM unnest(CAST(:known_kinds AS text[]),
+                                                        CAST(:known_versions AS int[])))
      LIMIT :n
        FOR UPDATE OF c SKIP LOCKED
     """
@@ -103,6 +106,8 @@ PAST_DEADLINE = text(
        AND r.status IN ('pending', 'running', 'waiting')
        AND NOT EXISTS (SELECT 1 FROM engine.step s
                         WHERE s.run_id = r.id AND s.status = 'running' AND s.lease_until > now())
+       AND (r.kind, r.version) IN (SELECT * FROM unnest(CAST(:known_kinds AS text[]),
+                                                        CAST(:known_versions AS int[])))
      ORDER BY r.deadline_at LIMIT :n
        FOR UPDATE OF r SKIP LOCKED
     """
@@ -195,14 +200,16 @@ def live_children(s: Session, run_id: uuid.UUID) -> list[uuid.UUID]:
     return list(s.scalars(LIVE_CHILDREN, {"id": run_id}).all())
 
 
-def orphaned_children(s: Session, n: int) -> list[uuid.UUID]:
-    """Up to `n` live children of a failed or canceled parent that its cascade skipped, locked."""
-    return list(s.scalars(ORPHANED_CHILDREN, {"n": n}).all())
+def orphaned_children(s: Session, n: int, known: Known) -> list[uuid.UUID]:
+    """Up to `n` live children of a `known` version whose failed or canceled parent's cascade
+    skipped them, locked."""
+    return list(s.scalars(ORPHANED_CHILDREN, {"n": n, **known.params()}).all())
 
 
-def past_deadline(s: Session, n: int) -> list[uuid.UUID]:
-    """Up to `n` live runs past their deadline with no step under a live lease, locked."""
-    return list(s.scalars(PAST_DEADLINE, {"n": n}).all())
+def past_deadline(s: Session, n: int, known: Known) -> list[uuid.UUID]:
+    """Up to `n` live runs of a `known` version past their deadline with no step under a live
+    lease, locked."""
+    return list(s.scalars(PAST_DEADLINE, {"n": n, **known.params()}).all())
 
 
 def expire_run(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> ExpiredRun | None:

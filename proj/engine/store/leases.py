@@ -18,6 +18,7 @@ the table names others.
 | `report_progress` (`PROGRESS`) | step under this token | its progress shown |
 | `results` | | the run's committed step results |
 | `lock_and_identify` | | this session's liveness lock, the postmaster start |
+| `serve_versions` | | shared locks naming the version queues this session's process consumes |
 | `end_leases_of_dead_owners` | running, owner's session gone (same postmaster) | lease ended now |
 """
 
@@ -75,6 +76,15 @@ RESULTS = text(
 LOCK_AND_IDENTIFY = """
     SELECT pg_try_advisory_lock(%(key)s),
            (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint
+"""
+# A consumer of a version queue holds a shared advisory lock (CONSUMER_LOCK_NS, hashtext of the
+# queue name) on its liveness session, for as long as that session lives. The sweeper re-sends a
+# step whose message seems lost only to a queue such a lock names (`recovery.PUBLISH_DUE`): a
+# version nobody serves gets one message per step, not one more every `REPUBLISH_AFTER_S`.
+CONSUMER_LOCK_NS = 0x5EE9_0002
+SERVE_VERSIONS = """
+    SELECT count(*) FILTER (WHERE pg_try_advisory_lock_shared(%(ns)s, hashtext(k || '.v' || v::text)))
+      FROM unnest(%(kinds)s::text[], %(versions)s::int[]) AS kv(k, v)
 """
 END_LEASES_OF_DEAD_OWNERS = """
     WITH held AS (
@@ -152,6 +162,14 @@ def lock_and_identify(conn: psycopg.Connection[Any], key: int) -> tuple[bool, in
     row = conn.execute(LOCK_AND_IDENTIFY, {"key": key}).fetchone()
     assert row is not None
     return bool(row[0]), int(row[1])
+
+
+def serve_versions(conn: psycopg.Connection[Any], versions: Sequence[tuple[str, int]]) -> int:
+    """On the liveness session: say it consumes these (kind, version) queues until it ends;
+    how many of the locks were taken (a shared lock is refused only to an exclusive holder)."""
+    params = {"ns": CONSUMER_LOCK_NS, "kinds": [k for k, _ in versions], "versions": [v for _, v in versions]}
+    row = conn.execute(SERVE_VERSIONS, params).fetchone()
+    return int(row[0]) if row else 0
 
 
 def end_leases_of_dead_owners(conn: psycopg.Connection[Any]) -> list[DeadOwnerLease]:

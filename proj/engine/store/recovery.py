@@ -11,7 +11,7 @@ the table names others.
 | `lock_sweep`, `try_lock_sweep` | | the sweep's lock, to the commit |
 | `expire_leases` | step running, lease past | pending (attempts left) or failed: `LeaseExpired` |
 | `cancels_to_finish` | | live runs with a cancel request (each then `chain.finalize_cancel`) |
-| `publish_due` | step pending, due, never published or its message seemingly lost | published now |
+| `publish_due` | step pending, due, unsent or its message seemingly lost (to a consumed queue) | published |
 | `slots_of_runs` | | the (kind, version, key) slots of runs whose step lost its lease |
 | `mark_unpublished` | steps whose message could not be sent | unpublished (the next sweep sends them) |
 """
@@ -27,19 +27,29 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj.engine.status import StepStatus
-from proj.engine.store.rows import changed
+from proj.engine.store.leases import CONSUMER_LOCK_NS
+from proj.engine.store.rows import Known, changed
 
 SWEEP_LOCK = 0x5EE9_0001
 LOCK_SWEEP = text("SELECT pg_advisory_xact_lock(:k)")
 TRY_LOCK_SWEEP = text("SELECT pg_try_advisory_xact_lock(:k)")
 
+# A step whose attempts are spent fails its run, which needs the run's kind: one of a version this
+# process does not know is left expired for a sweep that knows it (failed here, its run stayed live
+# with nothing to end it). One with attempts left only goes back to `pending`, whatever its kind.
 # The expired attempts are logged as orphans (`outcome` NULL) from what their step rows said
 # before the reset: their holder never ended them (`engine.attempt`, migration 0011).
 EXPIRE_LEASES = text(
     """
     WITH gone AS MATERIALIZED (
-        SELECT id, attempts, lease_token, lease_owner, claimed_at FROM engine.step
-         WHERE status = 'running' AND lease_until < now() ORDER BY lease_until LIMIT :n
+        SELECT id, attempts, lease_token, lease_owner, claimed_at FROM engine.step st
+         WHERE status = 'running' AND lease_until < now()
+           AND (attempts < max_attempts OR EXISTS (
+                SELECT 1 FROM engine.task_run r
+                 WHERE r.id = st.run_id
+                   AND (r.kind, r.version) IN (SELECT * FROM unnest(CAST(:known_kinds AS text[]),
+                                                                    CAST(:known_versions AS int[])))))
+         ORDER BY lease_until LIMIT :n
            FOR UPDATE SKIP LOCKED
     ), orphaned AS (
         INSERT INTO engine.step_attempt (step_id, attempt, lease_token, worker, started_at)
@@ -62,6 +72,8 @@ CANCELS_TO_FINISH = text(
     """
     SELECT id FROM engine.task_run
      WHERE cancel_requested_at IS NOT NULL AND status IN ('pending', 'running', 'waiting')
+       AND (kind, version) IN (SELECT * FROM unnest(CAST(:known_kinds AS text[]),
+                                                    CAST(:known_versions AS int[])))
      LIMIT :n
     """
 )
@@ -70,15 +82,29 @@ CANCELS_TO_FINISH = text(
 # them for an operator's retry) are due forever, and filtered only outside it they took the
 # batch's places on every sweep, so past `:n` of them nothing live was sent again
 # (`tests/integration/test_limits.py::test_dead_letters_pending_steps_do_not_starve_the_sweeper`).
+#
+# A re-send (the step was published before) goes only to a version queue some live process says
+# it consumes (`leases.serve_versions`): a message to a queue nobody reads is not lost, it waits
+# there, and re-sending it every `again` seconds only grew that queue. When no process says so at
+# all (`REAP_INTERVAL_S=0`: no liveness sessions), every queue is re-sent to as before
+# (`tests/integration/test_unserved_versions.py`).
 PUBLISH_DUE = text(
     """
+    WITH consumed AS MATERIALIZED (
+        SELECT l.objid FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.classid = :ns AND l.objsubid = 2 AND l.granted
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    )
     UPDATE engine.step s SET published_at = now()
       FROM engine.task_run r
      WHERE s.id IN (
             SELECT p.id FROM engine.step p JOIN engine.task_run pr ON pr.id = p.run_id
              WHERE p.status = 'pending' AND p.next_attempt_at <= now()
                AND (p.published_at IS NULL
-                    OR p.published_at < now() - make_interval(secs => :again))
+                    OR (p.published_at < now() - make_interval(secs => :again)
+                        AND (NOT EXISTS (SELECT 1 FROM consumed)
+                             OR hashtext(pr.kind || '.v' || pr.version::text)::oid
+                                IN (SELECT objid FROM consumed))))
                AND pr.status IN ('pending', 'running', 'waiting') AND pr.cancel_requested_at IS NULL
              ORDER BY pr.priority DESC, p.next_attempt_at LIMIT :n
              FOR UPDATE OF p SKIP LOCKED)
@@ -134,23 +160,26 @@ def try_lock_sweep(s: Session) -> bool:
     return bool(s.scalar(TRY_LOCK_SWEEP, {"k": SWEEP_LOCK}))
 
 
-def expire_leases(s: Session, n: int) -> list[ExpiredLease]:
-    """Take back up to `n` expired leases (skipping rows locked by a commit in flight)."""
+def expire_leases(s: Session, n: int, known: Known) -> list[ExpiredLease]:
+    """Take back up to `n` expired leases (skipping rows locked by a commit in flight); a step
+    with no attempt left only when its run's version is `known` (its run is failed next)."""
     return [
         ExpiredLease(r.id, r.run_id, StepStatus(r.status), r.name, r.attempts, r.error)
-        for r in s.execute(EXPIRE_LEASES, {"n": n})
+        for r in s.execute(EXPIRE_LEASES, {"n": n, **known.params()})
     ]
 
 
-def cancels_to_finish(s: Session, n: int) -> list[uuid.UUID]:
-    """Live runs with a cancel request, for `chain.finalize_cancel`."""
-    return list(s.scalars(CANCELS_TO_FINISH, {"n": n}).all())
+def cancels_to_finish(s: Session, n: int, known: Known) -> list[uuid.UUID]:
+    """Live runs of a `known` version with a cancel request, for `chain.finalize_cancel`."""
+    return list(s.scalars(CANCELS_TO_FINISH, {"n": n, **known.params()}).all())
 
 
 def publish_due(s: Session, *, again_s: float, n: int) -> list[DueStep]:
-    """Mark up to `n` due steps published (never sent, or sent over `again_s` ago), highest
-    priority first in the selection; the rows come back unordered."""
-    return [DueStep(*r) for r in s.execute(PUBLISH_DUE, {"again": again_s, "n": n})]
+    """Mark up to `n` due steps published (never sent, or sent over `again_s` ago to a queue
+    some process consumes), highest priority first in the selection; the rows come back
+    unordered."""
+    params = {"again": again_s, "n": n, "ns": CONSUMER_LOCK_NS}
+    return [DueStep(*r) for r in s.execute(PUBLISH_DUE, params)]
 
 
 def slots_of_runs(s: Session, run_ids: Sequence[uuid.UUID]) -> list[RunSlot]:
