@@ -186,7 +186,10 @@ def cancel(
     """Cancel a request (its runs, with compensation) or one run: business first.
 
     A request records who canceled it in its audit trail; a run, which has no such field, records
-    it in its cancel reason ("REASON (by WHO)")."""
+    it in its cancel reason ("REASON (by WHO)"). A run that finishes between the check below and
+    the cancel is said to have finished, exit 1, never "cancel requested": `runs.cancel` says
+    whether its statement landed
+    (`tests/integration/test_cli.py::test_cancel_of_a_run_that_finishes_before_it_lands_says_so`)."""
     from proj import db
     from proj.acquisition import service
     from proj.acquisition.models import DownloadTask
@@ -203,15 +206,26 @@ def cancel(
         return
     view = runs.get(ident)
     if view is not None and view.status in TERMINAL:
-        hint = f"; a dead letter: proj resolve {ident} --abandon" if view.status == "failed" else ""
+        hint = _abandon_hint(ident, view.status)
         errors.print(f"[red]run {ident} has finished ({view.status}): nothing to cancel{hint}[/red]")
         raise typer.Exit(1)
     try:
-        runs.cancel(ident, f"{reason} (by {by or _operator()})")
+        outcome = runs.cancel(ident, f"{reason} (by {by or _operator()})")
     except KeyError:
         errors.print(f"[red]no request or run {run_or_request}[/red]")
         raise typer.Exit(1) from None
+    if not outcome.landed:  # it finished between the check above and the cancel's statement
+        errors.print(
+            f"[red]run {ident} finished ({outcome.status}) before the cancel landed: nothing to cancel"
+            f"{_abandon_hint(ident, outcome.status)}[/red]"
+        )
+        raise typer.Exit(1)
     console.print(f"cancel requested for run {ident}")
+
+
+def _abandon_hint(run_id: uuid.UUID, status: str) -> str:
+    """A finished run is not canceled; a dead letter's compensation is `resolve --abandon`."""
+    return f"; a dead letter: proj resolve {run_id} --abandon" if status == "failed" else ""
 
 
 # ------------------------------------------------------------------------------ the front door

@@ -535,19 +535,41 @@ def _commit_and_publish_next(c: Claim, kind: Kind, payload: str, following: int)
 # the end of a canceled run (invariant 8)
 
 
+class CancelAsked(NamedTuple):
+    """What asking a run to cancel did (`ask_cancel`)."""
+
+    landed: bool  # the guarded REQUEST_CANCEL changed the run: it was live and is asked to stop
+    status: RunStatus  # the run's status under its row lock: its final one when not landed
+    dispatches: list[Dispatch]  # to publish after commit
+
+
 def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
     """Business first: the kind's cancel hook and the request, then stop the run if no step
-    runs (`finalize_cancel`, which cascades to the run's children). KeyError: no such run."""
+    runs (`finalize_cancel`, which cascades to the run's children). KeyError: no such run.
+
+    The dispatches only, for the cascade and the sweeper; `ask_cancel` also says whether the
+    request landed."""
+    return ask_cancel(s, run_id, reason).dispatches
+
+
+def ask_cancel(s: Session, run_id: uuid.UUID, reason: str) -> CancelAsked:
+    """`request_cancel`, saying whether the request landed: `landed` is what the guarded
+    statement changed (nothing once the run has finished), `status` the run's status under its
+    row lock. Why: a caller that checked the run was live before asking (`proj cancel`) must not
+    report a cancel for a run that finished in between
+    (`tests/integration/test_cli.py::test_cancel_of_a_run_that_finishes_before_it_lands_says_so`).
+    KeyError: no such run."""
     run = cancels_store.lock_run_to_cancel(s, run_id)
     if run is None:
         raise KeyError(f"no run {run_id}")
     if run.status in TERMINAL:
-        return []
+        return CancelAsked(False, run.status, [])
     kind = get_kind(run.kind, run.version)
     if kind.on_cancel is not None:
         kind.on_cancel(s, run.id, kind.input_model.model_validate(run.input))
-    cancels_store.request_cancel(s, run_id, reason[:2000])
-    return finalize_cancel(s, run_id)
+    if not cancels_store.request_cancel(s, run_id, reason[:2000]):
+        return CancelAsked(False, run.status, [])  # not while we hold the row; the guard decides
+    return CancelAsked(True, run.status, finalize_cancel(s, run_id))
 
 
 def cancel_children(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:

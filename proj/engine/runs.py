@@ -11,13 +11,13 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 
 from proj import db
 from proj.engine import dispatch
-from proj.engine.chain import finalize_cancel, insert_run, insert_runs, request_cancel
+from proj.engine.chain import ask_cancel, finalize_cancel, insert_run, insert_runs
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import InvalidInput, PayloadTooLarge, RunCanceled, RunFailed
 from proj.engine.inputs import (
@@ -185,17 +185,31 @@ def woken_dispatches(woken: Sequence[Woken]) -> list[Dispatch]:
     return [step_dispatch(w.id, w.kind, w.version, w.name, w.priority) for w in woken]
 
 
-def cancel(run_id: uuid.UUID, reason: str) -> None:
+class CancelOutcome(NamedTuple):
+    """What `cancel` did: `landed`, the request was recorded on the live run (False: the run had
+    finished, nothing written); `status`, the run's status when it was asked (its final one
+    when the request did not land)."""
+
+    landed: bool
+    status: RunStatus
+
+
+def cancel(run_id: uuid.UUID, reason: str) -> CancelOutcome:
     """Business first: record the request (and the kind's business hook), then stop the run.
 
     A running step is not killed; it sees `cancel_requested()` and stops itself, and the run is
     finalised when it does (or when its lease expires). Its unfinished child runs are canceled
-    too (`chain.finalize_cancel`).
+    too (`chain.finalize_cancel`). Says whether the request landed, from what its guarded
+    statement changed: a run that finished after the caller last looked is not canceled, and
+    the caller must not say it is
+    (`tests/integration/test_cli.py::test_cancel_of_a_run_that_finishes_before_it_lands_says_so`).
+    KeyError: no such run.
     """
     check_reason(reason)
     with db.transaction() as s:
-        out = request_cancel(s, run_id, reason)
-    dispatch.publish_after_commit(out)
+        asked = ask_cancel(s, run_id, reason)
+    dispatch.publish_after_commit(asked.dispatches)
+    return CancelOutcome(asked.landed, asked.status)
 
 
 # How often `result()` re-reads the run without a notification (one lost with its session).

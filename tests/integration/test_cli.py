@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
 import proj.cli as cli_mod
+from proj.engine.port import TaskRunView
 from tests.conftest import new_key
 from tests.kinds_admin import ADMIN_DDL
 from tests.support.services import ROOT, scalar, sql, wait_for
@@ -171,6 +173,55 @@ def test_runs_finds_a_requests_runs_by_its_id_and_cancel_records_who(published) 
     assert scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == (
         "wrong film (by alice)"
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "final", "hint"),
+    [("probe", {}, "succeeded", False), ("flaky", {"fatal": True}, "failed", True)],
+)
+def test_cancel_of_a_run_that_finishes_before_it_lands_says_so(
+    published, monkeypatch: pytest.MonkeyPatch, kind: str, payload: dict[str, object], final: str, hint: bool
+) -> None:
+    """`proj cancel RUN` checks the run is live, then cancels; a run finishing in between was
+    reported "cancel requested" (exit 0) though nothing was written. Forced here: the check reads
+    the live run, then the worker's step runs it to its end before the cancel."""
+    from proj.engine import protocol, runs
+    from tests.support.steps import first_step
+
+    ref = runs.enqueue(kind, payload, idempotency_key=new_key())
+    real_get = runs.get
+
+    def get_then_finish(run_id: uuid.UUID) -> TaskRunView | None:
+        view = real_get(run_id)
+        assert view is not None and view.status == "pending"
+        protocol.execute(first_step(ref.task_run_id), starts_run=True)  # the run ends meanwhile
+        assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == final
+        return view
+
+    monkeypatch.setattr(runs, "get", get_then_finish)
+    code, out = proj("cancel", str(ref.task_run_id))
+    assert "cancel requested" not in out, out
+    assert code == 1 and f"finished ({final}) before the cancel landed: nothing to cancel" in out, out
+    assert (f"proj resolve {ref.task_run_id} --abandon" in out) is hint, out
+    assert scalar("SELECT cancel_requested_at FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) is None
+    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) == final
+
+
+def test_runs_cancel_says_whether_the_request_landed(published) -> None:
+    """`runs.cancel` reports what its guarded statement changed: landed on a live run, not on a
+    finished one (and its status then); `chain.request_cancel` still returns the dispatches."""
+    from proj import db
+    from proj.engine import chain, runs
+
+    live = runs.enqueue("probe", {}, idempotency_key=new_key()).task_run_id
+    assert runs.cancel(live, "operator") == runs.CancelOutcome(landed=True, status="pending")
+    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (live,)) == "canceled"
+    assert runs.cancel(live, "again") == runs.CancelOutcome(landed=False, status="canceled")
+    assert scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (live,)) == "operator"
+    with db.transaction() as s:
+        assert chain.request_cancel(s, live, "once more") == []
+    with pytest.raises(KeyError):
+        runs.cancel(uuid.uuid4(), "no such run")
 
 
 def test_admin_command_refuses_unsafe_configurations(monkeypatch: pytest.MonkeyPatch) -> None:
