@@ -12,21 +12,18 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import SecretStr
 
 from proj.admin.app import create_app
 from proj.qbt.local import make_torrent
 from proj.settings import get_settings
-from tests.support.services import scalar, sql, wait_for
+from tests.front_door_fixtures import *  # noqa: F403  (app_settings, api)
+from tests.front_door_fixtures import API_TOKEN, HOOK_TOKEN, PASSWORD, events, post_request, written
+from tests.support.services import scalar, wait_for
 
-API_TOKEN = "api-" + uuid.uuid4().hex
-HOOK_TOKEN = "hook-" + uuid.uuid4().hex
-PASSWORD = "pw-" + uuid.uuid4().hex
 PROJ = str(Path(sys.executable).parent / "proj")
 INFOHASH = "ab" * 20
 
@@ -44,45 +41,6 @@ def torrent_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 def other_torrent(tmp_path: Path, name: str = "Other") -> bytes:
     (tmp_path / name).write_bytes(os.urandom(20_000))
     return make_torrent(tmp_path / name, piece_size=16 * 1024)[0]
-
-
-@pytest.fixture
-def app_settings():
-    return get_settings().model_copy(
-        update={
-            "admin_password": SecretStr(PASSWORD),
-            "api_token": SecretStr(API_TOKEN),
-            "hook_token": SecretStr(HOOK_TOKEN),
-        }
-    )
-
-
-@pytest.fixture
-def api(app_settings) -> Iterator[TestClient]:
-    with TestClient(create_app(app_settings)) as c:
-        c.headers["Authorization"] = f"Bearer {API_TOKEN}"
-        yield c
-
-
-def post_request(c: TestClient, data: bytes, headers: dict[str, str] | None = None, **fields: str):
-    form = {"requester": "alice", **fields}
-    files = {"torrent": ("film.torrent", data, "application/x-bittorrent")}
-    return c.post("/api/requests", data=form, files=files, headers=headers or {})
-
-
-def written() -> tuple[int, int, int, int]:
-    """Every table a request, a decision or a signal could write."""
-    return (
-        scalar("SELECT count(*) FROM acq.download_task"),
-        scalar("SELECT count(*) FROM acq.task_event"),
-        scalar("SELECT count(*) FROM outbox.outbox_event"),
-        scalar("SELECT count(*) FROM engine.task_signal"),
-    )
-
-
-def events(task_id: str) -> list[tuple[str, dict]]:
-    rows = sql("SELECT what, detail FROM acq.task_event WHERE download_task_id = %s ORDER BY id", (task_id,))
-    return [(w, d or {}) for w, d in rows]
 
 
 # ------------------------------------------------------------------------------------- auth

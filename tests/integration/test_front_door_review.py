@@ -18,15 +18,8 @@ from pydantic import SecretStr
 
 from proj.admin.app import create_app
 from proj.qbt.local import make_torrent
-from proj.settings import get_settings
-from tests.integration.test_front_door import (
-    API_TOKEN,
-    HOOK_TOKEN,
-    PASSWORD,
-    events,
-    post_request,
-    written,
-)
+from tests.front_door_fixtures import *  # noqa: F403  (app_settings, api)
+from tests.front_door_fixtures import API_TOKEN, PASSWORD, events, post_request, written
 from tests.support.services import scalar
 
 
@@ -39,26 +32,14 @@ def film(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 
 @pytest.fixture
-def settings():
-    return get_settings().model_copy(
-        update={
-            "admin_password": SecretStr(PASSWORD),
-            "api_token": SecretStr(API_TOKEN),
-            "hook_token": SecretStr(HOOK_TOKEN),
-        }
-    )
+def raise_server_exceptions() -> bool:
+    """`api` and `admin` see a 500 as the user sees it (`tests/front_door_fixtures.py`)."""
+    return False
 
 
 @pytest.fixture
-def api(settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
-        c.headers["Authorization"] = f"Bearer {API_TOKEN}"
-        yield c
-
-
-@pytest.fixture
-def admin(settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+def admin(app_settings) -> Iterator[TestClient]:
+    with TestClient(create_app(app_settings), raise_server_exceptions=False) as c:
         c.auth = ("admin", PASSWORD)
         yield c
 
@@ -76,13 +57,13 @@ def raw_json(c: TestClient, path: str, body: bytes):
 # ------------------------------------------------------------------------------ /admin auth
 
 
-def test_admin_credentials_are_checked_before_the_body_is_read(settings) -> None:
+def test_admin_credentials_are_checked_before_the_body_is_read(app_settings) -> None:
     """Before: FastAPI parsed an /admin POST's form (a multipart upload spooled to disk) before
     the Basic-auth dependency ran, so an anonymous client made the server read its upload and
     got the parser's 400 ("Part exceeded maximum size") instead of 401."""
     big_field = "x" * (1024 * 1024 + 10)
     files = {"torrent": ("f.torrent", b"d4:infode", "application/x-bittorrent")}
-    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+    with TestClient(create_app(app_settings), raise_server_exceptions=False) as c:
         for auth in (None, ("admin", "wrong")):
             r = c.post("/admin/requests", data={"requester": big_field}, files=files, auth=auth)
             assert r.status_code == 401, (auth, r.status_code, r.text[:200])
@@ -172,10 +153,10 @@ def test_a_cancel_with_unstorable_or_empty_who_or_why_is_a_400_and_writes_nothin
 # --------------------------------------------------------------------- error bodies, schema
 
 
-def test_every_api_refusal_has_the_documented_error_body(settings, film: bytes) -> None:
+def test_every_api_refusal_has_the_documented_error_body(app_settings, film: bytes) -> None:
     """The schema says a 401 or 404 answer is `ApiError` ({detail, error}, both required).
     Before: a 401 and the 404 of a malformed id carried `detail` only."""
-    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+    with TestClient(create_app(app_settings), raise_server_exceptions=False) as c:
         ok = {"Authorization": f"Bearer {API_TOKEN}"}
         answers = [
             (c.get("/api/requests"), 401),
@@ -227,12 +208,12 @@ def test_the_openapi_schema_declares_the_bearer_tokens(api: TestClient) -> None:
 # ------------------------------------------------------------------------------- uploads
 
 
-def test_a_chunked_upload_over_the_limit_is_cut_off_while_it_streams(settings) -> None:
+def test_a_chunked_upload_over_the_limit_is_cut_off_while_it_streams(app_settings) -> None:
     """An upload without `Content-Length` (chunked; `curl -T -`) was read to its end and spooled
     to disk before the torrent's size was checked. Now the body is counted as it arrives and
     refused with 413 once it passes the limit; the rest is never read."""
-    app = create_app(settings)
-    limit = settings.max_torrent_bytes
+    app = create_app(app_settings)
+    limit = app_settings.max_torrent_bytes
     head = (
         b'--zz\r\nContent-Disposition: form-data; name="torrent"; filename="f.torrent"\r\n'
         b"Content-Type: application/x-bittorrent\r\n\r\n"
@@ -432,12 +413,13 @@ def test_the_admin_requests_page_pages_on_to_the_oldest(admin: TestClient, film:
     assert r.status_code == 303
 
 
-def test_a_non_ascii_api_token_is_accepted(settings, film: bytes) -> None:
+def test_a_non_ascii_api_token_is_accepted(app_settings, film: bytes) -> None:
     """The `Authorization` header reaches the app decoded as latin-1, and its text was compared
     re-encoded as UTF-8: a non-ASCII `API_TOKEN` refused every request, its own included."""
     token = "clé-" + uuid.uuid4().hex
     with TestClient(
-        create_app(settings.model_copy(update={"api_token": SecretStr(token)})), raise_server_exceptions=False
+        create_app(app_settings.model_copy(update={"api_token": SecretStr(token)})),
+        raise_server_exceptions=False,
     ) as c:
         r = c.get("/api/requests", headers={"Authorization": b"Bearer " + token.encode()})
         assert r.status_code == 200, r.text
