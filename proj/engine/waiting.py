@@ -48,21 +48,34 @@ def run_wait(
         if sig is not None:
             return AttemptEnd.succeeded(commit_success(c, kind, {"signal": sig.payload}, carry=carry))
     timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
-    return park(c, topic, timeout_s=timeout)
+    return park(c, topic, timeout_s=timeout, any_signal=spec.check is None)
 
 
 def park(
-    c: Claim, topic: str, *, timeout_s: float | None = None, until: datetime | None = None
+    c: Claim,
+    topic: str,
+    *,
+    timeout_s: float | None = None,
+    until: datetime | None = None,
+    any_signal: bool = False,
 ) -> AttemptEnd:
     """Free the worker: the step waits in Postgres for a signal or its timer.
 
     Under the topic's advisory lock, a signal stored since this check started sends the step
     straight back to work, so a signal racing the park is never lost. Waiting gives the attempt
     back: it does not count against the retry policy.
+
+    `any_signal`: a wait without a check, which any stored signal satisfies; then any signal
+    the lock lets us see sends the step back. Why: a signal row's `created_at` is its
+    transaction's start, so one whose transaction began before the claim and committed after
+    the wait read the topic looked older than the claim, and the step parked with it stored
+    (`tests/integration/test_waits_cancel.py::
+    test_a_signal_whose_transaction_began_before_the_claim_wakes_a_bare_wait`). A check reads
+    business rows, which a signal follows in a later transaction, so `since` is sound there.
     """
     with db.transaction() as s:
         store.lock_topic(s, topic)
-        raced = store.signal_since(s, topic, c.claimed_at)
+        raced = store.any_signal(s, topic) if any_signal else store.signal_since(s, topic, c.claimed_at)
         if park_in(s, c, topic, raced=raced, timeout_s=timeout_s, until=until):
             return AttemptEnd(
                 Outcome.RECHECKING, [dispatch.step_dispatch(c.step_id, c.kind, c.version, c.name)]

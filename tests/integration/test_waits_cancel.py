@@ -245,3 +245,54 @@ def test_a_cancel_does_not_deadlock_with_a_claim_of_a_waiting_run(published) -> 
     sweeper.sweep()
     assert _status(run_id) == "canceled"
     assert scalar("SELECT status FROM engine.step WHERE id = %s", (step,)) == "canceled"
+
+
+def test_a_signal_whose_transaction_began_before_the_claim_wakes_a_bare_wait(published, monkeypatch) -> None:
+    """A wait without a check is satisfied by any stored signal. A signal whose transaction
+    began before the wait step was claimed, and committed after the step read the topic (it
+    waited for the topic lock, or its wake was slow), is stored with that earlier `created_at`
+    (`now()` is the transaction's start). The park looked only for signals stored since the
+    claim, so it parked the step with the signal stored and nobody left to wake it: the run
+    sat until its timer (here 10 minutes). Now the park of a bare wait looks, under the topic
+    lock, for any stored signal, and the step goes straight back to work."""
+    import threading
+
+    from proj.engine import protocol, runs
+    from proj.engine.store import waits
+
+    topic = f"go:{new_key()}"
+    ref = runs.enqueue("signalled", {"topic": topic, "timeout_s": 600}, idempotency_key=new_key())
+    step = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
+    stored, go = threading.Event(), threading.Event()
+    real_wake = waits.wake_topic
+
+    def wake_late(s, t):  # noqa: ANN001, ANN202 - the signal's transaction: stored, not committed
+        stored.set()
+        assert go.wait(20)
+        return real_wake(s, t)
+
+    monkeypatch.setattr(waits, "wake_topic", wake_late)
+    woke: list[int] = []
+    signalling = threading.Thread(target=lambda: woke.append(runs.signal(topic, {"ok": 1})))
+    signalling.start()
+    assert stored.wait(10), "the signal is stored, its transaction open"
+    outcome: list[str] = []
+    waiting = threading.Thread(target=lambda: outcome.append(protocol.execute(step, starts_run=True)))
+    waiting.start()  # claimed after the signal's transaction began; reads no signal yet
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted") > 0,
+        10,
+        what="the wait's park to queue behind the signal's topic lock",
+    )
+    go.set()
+    signalling.join(20)
+    waiting.join(20)
+    assert woke == [0], "the step was running when the signal looked for parked steps"
+    assert scalar("SELECT status FROM engine.step WHERE id = %s", (step,)) != "waiting", (
+        f"parked with a stored signal and nobody to wake it ({outcome})"
+    )
+    assert outcome == ["rechecking"]
+    assert [d.step_id for d in published if d.step_id == step], "sent straight back to work"
+    assert protocol.execute(step) == "succeeded"
+    wait_for(lambda: _status(ref.task_run_id) == "succeeded", 10, what="the run to go on")
+    assert runs.get(ref.task_run_id).result == {"signal": {"ok": 1}}

@@ -15,7 +15,8 @@ Each function runs the statement named like it in capitals (`park`: `PARK`).
 |---|---|---|
 | `lock_topic` | | the topic's advisory lock, held to the commit |
 | `store_signal` | | a signal row (kept until purged) |
-| `latest_signal`, `signal_since`, `reached` | | the newest signal, one since a time, a timer due |
+| `latest_signal`, `any_signal` | | the newest signal, whether any is stored |
+| `signal_since`, `reached` | | a signal stored since a time, a timer due |
 | `park` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
 | `run_waiting` | run running, no step running or pending | waiting |
 | `wake_topic` | steps waiting on the topic | pending, published (runs: at their claim) |
@@ -40,6 +41,10 @@ STORE_SIGNAL = text(
 )
 
 LATEST_SIGNAL = text("SELECT payload FROM engine.task_signal WHERE topic = :topic ORDER BY id DESC LIMIT 1")
+
+# Under the topic lock: every signal committed before the park, whenever its transaction began
+# (`created_at` is that start, so `SIGNAL_SINCE` misses one that began before the claim).
+ANY_SIGNAL = text("SELECT EXISTS (SELECT 1 FROM engine.task_signal WHERE topic = :topic)")
 
 SIGNAL_SINCE = text(
     "SELECT EXISTS (SELECT 1 FROM engine.task_signal WHERE topic = :topic AND created_at >= :since)"
@@ -147,6 +152,11 @@ def latest_signal(s: Session, topic: str) -> Signal | None:
     """The newest signal of `topic` (None: none was ever stored, or it was purged)."""
     row = s.execute(LATEST_SIGNAL, {"topic": topic}).first()
     return None if row is None else Signal(row.payload)
+
+
+def any_signal(s: Session, topic: str) -> bool:
+    """Whether any signal of `topic` is stored (under the topic's lock: a bare wait's park)."""
+    return bool(s.scalar(ANY_SIGNAL, {"topic": topic}))
 
 
 def signal_since(s: Session, topic: str, since: datetime) -> bool:
