@@ -543,16 +543,17 @@ class CancelAsked(NamedTuple):
     dispatches: list[Dispatch]  # to publish after commit
 
 
-def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch]:
+def request_cancel(s: Session, run_id: uuid.UUID, reason: str, *, by_parent: bool = False) -> list[Dispatch]:
     """Business first: the kind's cancel hook and the request, then stop the run if no step
     runs (`finalize_cancel`, which cascades to the run's children). KeyError: no such run.
 
     The dispatches only, for the cascade and the sweeper; `ask_cancel` also says whether the
-    request landed."""
-    return ask_cancel(s, run_id, reason).dispatches
+    request landed. `by_parent`: the parent's end asks (its cascade, the orphan backstop), so a
+    retried parent replaces this child (`children.run_child`)."""
+    return ask_cancel(s, run_id, reason, by_parent=by_parent).dispatches
 
 
-def ask_cancel(s: Session, run_id: uuid.UUID, reason: str) -> CancelAsked:
+def ask_cancel(s: Session, run_id: uuid.UUID, reason: str, *, by_parent: bool = False) -> CancelAsked:
     """`request_cancel`, saying whether the request landed: `landed` is what the guarded
     statement changed (nothing once the run has finished), `status` the run's status under its
     row lock. Why: a caller that checked the run was live before asking (`proj cancel`) must not
@@ -567,7 +568,7 @@ def ask_cancel(s: Session, run_id: uuid.UUID, reason: str) -> CancelAsked:
     kind = get_kind(run.kind, run.version)
     if kind.on_cancel is not None:
         kind.on_cancel(s, run.id, kind.input_model.model_validate(run.input))
-    if not cancels_store.request_cancel(s, run_id, reason[:2000]):
+    if not cancels_store.request_cancel(s, run_id, reason[:2000], by_parent=by_parent):
         return CancelAsked(False, run.status, [])  # not while we hold the row; the guard decides
     return CancelAsked(True, run.status, finalize_cancel(s, run_id))
 
@@ -582,7 +583,7 @@ def cancel_children(s: Session, run_id: uuid.UUID, reason: str) -> list[Dispatch
     """
     out: list[Dispatch] = []
     for child_id in children_store.live_children(s, run_id):
-        out += if_served(s, child_id, lambda c: request_cancel(s, c, reason))
+        out += if_served(s, child_id, lambda c: request_cancel(s, c, reason, by_parent=True))
     return out
 
 

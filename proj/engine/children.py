@@ -5,9 +5,11 @@ from the parent run, the step and its item index, so a retried or re-delivered s
 same child) and parks on `run-finished:<child id>`, unless the child has finished already.
 Everything is written at once or nothing is: a killed worker leaves either no child or a child
 and a parked step. The child's end (succeeded, failed, canceled) stores that signal and wakes
-the step in its own finishing transaction (`chain.notify_parent`); the step's next attempt finds
-the child finished and commits its result, or fails with the child's error under the parent's
-retry policy. A child inherits its parent's deadline (the earlier of it and its own kind's).
+the step in its own finishing transaction (`chain.notify_parent`); the step's next attempt
+finds the child finished and commits its result, or fails with the child's error under the
+parent's retry policy. A child its parent's end canceled (the parent failed, then an operator
+retried it) is replaced by a fresh one (`replacement_key`). A child inherits its parent's
+deadline (the earlier of it and its own kind's).
 A child that cannot be enqueued (an unknown kind, an input its model rejects)
 fails the step at once (`ChildRejected`), with nothing written.
 
@@ -36,8 +38,22 @@ from proj.settings import get_settings
 
 
 def child_key(c: Claim) -> str:
-    """The child's idempotency key: one child per parent run, step and item, for all time."""
+    """The child's idempotency key: one child per parent run, step and item (until the parent's
+    own end cancels it: `replacement_key`)."""
     return f"child:{c.run_id}:{c.name}:{c.item_index}"
+
+
+def replacement_key(c: Claim, canceled: object) -> str:
+    """The key of the child that takes the place of `canceled`, one its parent's end stopped.
+
+    Why: a fan-out parent that fails cancels its children still running (its cascade); they
+    never run again. When an operator retries the parent, its step meets such a child and, before,
+    failed on it (`ChildFailed`), so a retried parent could only fail again. Now it starts a
+    fresh child of the same input under this key, derived from the one replaced, so re-deliveries
+    of the step find it, and a later failure and retry chain on to the next. A child an operator
+    canceled is not replaced: that cancel still fails the step
+    (`tests/integration/test_children_retry.py`)."""
+    return f"{child_key(c)}:after:{canceled}"
 
 
 def run_child(
@@ -50,23 +66,31 @@ def run_child(
         raise ChildRejected(f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}") from exc
     with db.transaction() as s:
         ctx.fence(s)  # a stale attempt starts nothing
-        try:
-            ref, out = insert_run(
-                s,
-                spec.kind,
-                child_input,
-                idempotency_key=child_key(c),
-                priority=c.priority,
-                parent_run_id=c.run_id,
-                inherited_deadline=c.deadline_at,
-            )
-        except BadInput as exc:  # the transaction rolls back: nothing is half-written
-            raise ChildRejected(f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}") from exc
-        topic = store.finished_topic(ref.task_run_id)
-        # Under the topic lock a child that finishes meanwhile either is seen finished here or
-        # finds this step parked and wakes it (`chain.notify_parent` takes the same lock).
-        waits_store.lock_topic(s, topic)
-        child = store.child_state(s, ref.task_run_id)
+        key, out = child_key(c), []
+        while True:
+            try:
+                ref, sent = insert_run(
+                    s,
+                    spec.kind,
+                    child_input,
+                    idempotency_key=key,
+                    priority=c.priority,
+                    parent_run_id=c.run_id,
+                    inherited_deadline=c.deadline_at,
+                )
+            except BadInput as exc:  # the transaction rolls back: nothing is half-written
+                raise ChildRejected(
+                    f"child {spec.kind!r} of step {c.name}: {type(exc).__name__}: {exc}"
+                ) from exc
+            out += sent
+            topic = store.finished_topic(ref.task_run_id)
+            # Under the topic lock a child that finishes meanwhile either is seen finished here or
+            # finds this step parked and wakes it (`chain.notify_parent` takes the same lock).
+            waits_store.lock_topic(s, topic)
+            child = store.child_state(s, ref.task_run_id)
+            if not (child.status == RunStatus.CANCELED and child.canceled_by_parent):
+                break
+            key = replacement_key(c, child.id)  # the parent's end stopped it: the retry goes on
         parked = child.status not in TERMINAL
         if parked:
             park_in(s, c, topic, timeout_s=spec.timeout_s)

@@ -138,6 +138,8 @@ class TaskRun(Base):
     deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # result() waiters (0010): only a run somebody awaits notifies when it finishes
     result_awaited: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    # a child stopped by its parent's end, not by an operator (0013): a retried parent replaces it
+    canceled_by_parent: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
 
 class Step(Base):

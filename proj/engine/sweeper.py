@@ -102,7 +102,9 @@ def sweep(*, wait: bool = False) -> SweepReport:
             to_publish.extend(if_served(s, run_id, lambda r: finalize_cancel(s, r)))
         report.cancel_checked = len(cancels)
         for run_id in children_store.orphaned_children(s, BATCH, known):
-            to_publish.extend(if_served(s, run_id, lambda r: request_cancel(s, r, "its parent run ended")))
+            to_publish.extend(
+                if_served(s, run_id, lambda r: request_cancel(s, r, "its parent run ended", by_parent=True))
+            )
         late = children_store.past_deadline(s, BATCH, known)
         for run_id in late:  # parked or between steps past the deadline: the run ends now
             to_publish.extend(if_served(s, run_id, lambda r: expire_run(s, r)))

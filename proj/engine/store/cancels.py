@@ -10,7 +10,7 @@ Each function runs the statement named like it in capitals (`cancel_run`: `CANCE
 | function | from | to |
 |---|---|---|
 | `lock_run_to_cancel` | | run row locked |
-| `request_cancel` | run live | `cancel_requested_at` set (kept if set), reason |
+| `request_cancel` | run live | `cancel_requested_at` set (kept if set), reason, whether by its parent |
 | `live_leases` | open steps locked, skipping held ones | steps under a live lease or held (a cancel waits) |
 | `cancel_open_steps` | steps pending, waiting, running | canceled, lease cleared |
 | `cancel_run` | run live | canceled |
@@ -45,6 +45,8 @@ REQUEST_CANCEL = text(
     """
     UPDATE engine.task_run
        SET cancel_requested_at = coalesce(cancel_requested_at, now()), cancel_reason = :reason,
+           canceled_by_parent = CASE WHEN cancel_requested_at IS NULL THEN :by_parent
+                                     ELSE canceled_by_parent END,
            updated_at = now()
      WHERE id = :id AND status IN ('pending', 'running', 'waiting')
     """
@@ -163,9 +165,11 @@ def lock_run_to_cancel(s: Session, run_id: uuid.UUID) -> RunToCancel | None:
     )
 
 
-def request_cancel(s: Session, run_id: uuid.UUID, reason: str) -> bool:
-    """Record the request on a live run; False: the run had finished."""
-    return changed(s.execute(REQUEST_CANCEL, {"reason": reason, "id": run_id})) > 0
+def request_cancel(s: Session, run_id: uuid.UUID, reason: str, *, by_parent: bool = False) -> bool:
+    """Record the request on a live run; False: the run had finished. `by_parent`: the request
+    comes from the run's parent's end (kept only when it is the first request)."""
+    params = {"reason": reason, "id": run_id, "by_parent": by_parent}
+    return changed(s.execute(REQUEST_CANCEL, params)) > 0
 
 
 def live_leases(s: Session, run_id: uuid.UUID) -> int:

@@ -60,7 +60,7 @@ def finished_topic(run_id: object) -> str:
 
 CHILD_STATE = text(
     """
-    SELECT id, kind, status, result, last_error, cancel_reason
+    SELECT id, kind, status, result, last_error, cancel_reason, canceled_by_parent
       FROM engine.task_run WHERE id = :id
     """
 )
@@ -90,8 +90,11 @@ ORPHANED_CHILDREN = text(
        AND NOT (p.status = 'failed' AND EXISTS (
                SELECT 1 FROM engine.step ps
                 WHERE ps.run_id = p.id AND ps.status = 'failed'
-                  AND c.idempotency_key
-                      = 'child:' || p.id::text || ':' || ps.name || ':' || ps.item_index::text))
+                  AND (c.idempotency_key
+                       = 'child:' || p.id::text || ':' || ps.name || ':' || ps.item_index::text
+                       OR starts_with(c.idempotency_key,
+                          'child:' || p.id::text || ':' || ps.name || ':' || ps.item_index::text
+                          || ':after:'))))
        AND (c.kind, c.version) IN (SELECT * FROM unnest(CAST(:known_kinds AS text[]),
                                                         CAST(:known_versions AS int[])))
      LIMIT :n
@@ -167,6 +170,7 @@ class ChildState(NamedTuple):
     result: Any
     last_error: dict[str, Any] | None
     cancel_reason: str | None
+    canceled_by_parent: bool  # stopped by its parent's end, not by an operator
 
 
 class ExpiredRun(NamedTuple):
@@ -192,7 +196,9 @@ class RunOutcome(NamedTuple):
 def child_state(s: Session, run_id: uuid.UUID) -> ChildState:
     """The child's status and outcome (it exists: the caller just enqueued or found it)."""
     r = s.execute(CHILD_STATE, {"id": run_id}).one()
-    return ChildState(r.id, r.kind, RunStatus(r.status), r.result, r.last_error, r.cancel_reason)
+    return ChildState(
+        r.id, r.kind, RunStatus(r.status), r.result, r.last_error, r.cancel_reason, r.canceled_by_parent
+    )
 
 
 def live_children(s: Session, run_id: uuid.UUID) -> list[uuid.UUID]:
