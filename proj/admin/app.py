@@ -555,10 +555,14 @@ def create_app(
 
         rid = run_id_or_404(run_id)
         try:
-            runs.cancel(rid, reason_or_400(reason))
+            asked = runs.cancel(rid, reason_or_400(reason))
         except KeyError as exc:
             raise HTTPException(404, f"no run {run_id}") from exc
-        flash(request, f"cancel requested for {rid}")
+        if asked.landed:
+            flash(request, f"cancel requested for {rid}")
+        else:  # finished before the request landed (a stale page): say so, as `proj cancel` does
+            hint = ": abandon it to compensate" if asked.status == "failed" else ""
+            flash(request, f"{rid} had finished ({asked.status}): nothing to cancel{hint}", "warn")
         return RedirectResponse(f"/admin/runs/{rid}", status_code=303)
 
     @r.post("/signal", dependencies=[Depends(require_csrf)])

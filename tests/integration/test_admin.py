@@ -297,3 +297,11 @@ def test_cancel_from_the_run_page(inproc, client: TestClient) -> None:
     )
     assert r.status_code == 200 and "cancel requested" in r.text
     wait_for(lambda: _status(ref.task_run_id) == "canceled", 20, what="cancel")
+
+    # The same page, now stale: the run has finished, and the flash says so.
+    r = client.post(
+        f"/admin/runs/{ref.task_run_id}/cancel",
+        data={"csrf_token": csrf_of(html), "reason": "again"},
+    )
+    assert r.status_code == 200 and f"cancel requested for {ref.task_run_id}" not in r.text
+    assert "had finished (canceled): nothing to cancel" in r.text
