@@ -442,3 +442,56 @@ def test_a_start_claim_probes_only_better_pending_runs(analyzed: bool) -> None:
         better,
     ), plan
     assert "task_run_kind_key" not in better, plan
+
+
+def test_a_holder_whose_heartbeat_was_late_keeps_its_slot_until_the_sweeper_takes_it(
+    published, monkeypatch
+) -> None:
+    """A holder's heartbeat stalls past its lease (a GC pause, a Postgres hiccup) and then
+    renews: nobody took the lease back in between (the sweeper had not run), so the renewal
+    lands and the holder goes on and commits. Admission counted only unexpired leases, so a
+    claim in that window was admitted too: two runs of a key with limit 1 in a step at once,
+    both to the end. Now a step holds its slot while it is `running` (its token not taken back);
+    the sweeper's take-back frees it and hands it on."""
+    import threading
+
+    from proj.engine import protocol
+    from proj.engine.heartbeat import HEARTBEAT
+    from tests.support.steps import first_step
+
+    key = f"disk:{new_key()}"
+    holder = runs.enqueue("keyed_one", {"key": key, "hold_s": 5.0}, idempotency_key=new_key())
+    waiter = runs.enqueue("keyed_one", {"key": key, "hold_s": 0.1}, idempotency_key=new_key())
+    stalled = threading.Event()
+    real_renew = HEARTBEAT.renew
+
+    def late_renew(leases):  # noqa: ANN001, ANN202 - the heartbeat stalls until released
+        stalled.wait(20)
+        return real_renew(leases)
+
+    monkeypatch.setattr(HEARTBEAT, "renew", late_renew)
+    holding = threading.Thread(target=protocol.execute, args=(first_step(holder.task_run_id),))
+    holding.start()
+    wait_for(lambda: _executions_of_key(key), 10, what="the holder to start")
+    wait_for(
+        lambda: scalar(
+            "SELECT lease_until < now() FROM engine.step WHERE run_id = %s", (holder.task_run_id,)
+        ),
+        10,
+        what="the holder's lease to run out, its heartbeat stalled",
+    )
+    first = protocol.execute(first_step(waiter.task_run_id))
+    stalled.set()  # the heartbeat renews: the holder's token was never taken back
+    holding.join(20)
+    assert not holding.is_alive()
+    assert _succeeded("keyed_one") >= 1
+    if first == "noop":  # refused; the holder's commit handed its slot on
+        assert first_step(waiter.task_run_id) in [d.step_id for d in published]
+        assert protocol.execute(first_step(waiter.task_run_id)) == "succeeded"
+    assert _succeeded("keyed_one") == 2
+    rows = _executions_of_key(key)
+    assert [r[0] for r in rows] == [holder.task_run_id, waiter.task_run_id]
+    assert max_overlap([(r[4], r[5]) for r in rows]) == 1, (
+        f"two runs of a key with limit 1 in a step at once (the waiter's first delivery: {first})"
+    )
+    assert first == "noop", "refused while the holder's step was running"

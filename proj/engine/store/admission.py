@@ -4,9 +4,11 @@ across all workers, and the line of steps waiting for one.
 A claim of a limited kind takes the gate's advisory lock (`LOCK_GATE`, held to the commit, always
 global before key, so claims never deadlock), counts the holders, and either claims or is refused
 (`DENY`: the step stays `pending` with its reason). Slots are counted in runs: fan-out items of a
-run that holds one share it. Waiters are pending, due steps of live runs refused recently
-(`blocked_at` is renewed at each refusal); `:prio`, `:created`, `:run` NULL means the whole line,
-set means only those ordered before that run. Proof: `tests/integration/test_limits.py`.
+run that holds one share it. A run holds its slot while a step of it is `running`, also past
+its lease, until the sweeper takes the lease back: a late heartbeat may still renew it. Waiters
+are pending, due steps of live runs refused recently (`blocked_at` is renewed at each refusal);
+`:prio`, `:created`, `:run` NULL means the whole line, set means only those ordered before that
+run. Proof: `tests/integration/test_limits.py`.
 
 Each function runs the statement named like it in capitals (`claim`: `CLAIM`) unless
 the table names others.
@@ -15,7 +17,7 @@ the table names others.
 |---|---|---|
 | `slot_of` | | the run of a pending, due step of a live run (by primary key) |
 | `lock_gate` | | the gate's advisory lock, held to the commit |
-| `holders` (`HOLDERS_GLOBAL`, `HOLDERS_KEY`) | | runs holding a slot, and whether this run is one |
+| `holders` (`HOLDERS_GLOBAL`, `HOLDERS_KEY`) | | runs with a step running, and whether this run is one |
 | `waiters` (`WAITERS_GLOBAL`, `WAITERS_KEY`) | | the line, best first |
 | `deny` | step pending | pending, with `blocked_reason`/`blocked_on`/`blocked_at`, re-published later |
 | `nudge_waiters` | waiters pending, not locked | published now (their message goes out) |
@@ -44,12 +46,17 @@ SLOT_OF = text(
 
 LOCK_GATE = text("SELECT pg_advisory_xact_lock(hashtext(:lock))")
 
+# A holder is a step `running` under its token, expired lease or not: until the sweeper takes
+# the lease back (`recovery.EXPIRE_LEASES`, which then hands the slot on) a late heartbeat
+# renews it and the holder goes on and commits. Counting only unexpired leases admitted a
+# second run in that window, and both ran to the end (`tests/integration/test_limits.py::
+# test_a_holder_whose_heartbeat_was_late_keeps_its_slot_until_the_sweeper_takes_it`).
 HOLDERS_GLOBAL = text(
     """
     SELECT count(DISTINCT h.run_id) AS runs,
            coalesce(bool_or(h.run_id = CAST(:run AS uuid)), false) AS mine
       FROM engine.step h JOIN engine.task_run hr ON hr.id = h.run_id
-     WHERE h.status = 'running' AND h.lease_until > now() AND hr.kind = :kind
+     WHERE h.status = 'running' AND hr.kind = :kind
     """
 )
 
@@ -58,7 +65,7 @@ HOLDERS_KEY = text(
     SELECT count(DISTINCT h.run_id) AS runs,
            coalesce(bool_or(h.run_id = CAST(:run AS uuid)), false) AS mine
       FROM engine.step h JOIN engine.task_run hr ON hr.id = h.run_id
-     WHERE h.status = 'running' AND h.lease_until > now() AND hr.kind = :kind
+     WHERE h.status = 'running' AND hr.kind = :kind
        AND hr.concurrency_key = :key
     """
 )
@@ -128,7 +135,7 @@ class Slot(NamedTuple):
 
 
 class Holders(NamedTuple):
-    runs: int  # runs with a step under a live lease
+    runs: int  # runs with a step running (its lease not taken back)
     mine: bool  # the asking run is one of them
 
 
