@@ -237,6 +237,7 @@ class Run(NamedTuple):
     parent_run_id: uuid.UUID | None
     deadline_at: datetime | None
     result_awaited: bool
+    canceled_by_parent: bool
 
 
 class RunProgress(NamedTuple):
@@ -465,6 +466,7 @@ def _run(r: Row[Any]) -> Run:
         parent_run_id=m["parent_run_id"],
         deadline_at=m["deadline_at"],
         result_awaited=m["result_awaited"],
+        canceled_by_parent=m["canceled_by_parent"],
     )
 
 
