@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     republish_after_s: float = Field(
         default=30.0, gt=0, description="re-publish a pending step whose message seems lost"
     )
+    republish_unconsumed_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="... to a version queue no live worker says it consumes: this seldom (never lost)",
+    )
 
     inline_steps: int = Field(
         default=10,

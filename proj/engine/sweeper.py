@@ -14,7 +14,9 @@ Each tick, under a transaction-level advisory lock (so two beats are harmless):
   roll the sweep back (`chain.if_served` stays as the guard for a child met by a cascade);
 - pending, due steps that were never published (broker down) or whose message seems lost
   (`republish_after_s`) are published, highest priority first; steps refused a slot are
-  re-sent this way too, so a waiter is retried at least every `republish_after_s`.
+  re-sent this way too, so a waiter is retried at least every `republish_after_s`. A queue no
+  live worker says it consumes (`liveness.serve`) is re-sent to only every
+  `republish_unconsumed_s`, so it does not grow while nobody reads it.
 """
 
 from __future__ import annotations
@@ -109,7 +111,12 @@ def sweep(*, wait: bool = False) -> SweepReport:
         for run_id in late:  # parked or between steps past the deadline: the run ends now
             to_publish.extend(if_served(s, run_id, lambda r: expire_run(s, r)))
         report.expired_runs = len(late)
-        due = store.publish_due(s, again_s=settings.republish_after_s, n=BATCH)
+        due = store.publish_due(
+            s,
+            again_s=settings.republish_after_s,
+            again_unconsumed_s=max(settings.republish_unconsumed_s, settings.republish_after_s),
+            n=BATCH,
+        )
         due = sorted(due, key=lambda r: (-r.priority, r.next_attempt_at))  # RETURNING has no order
         to_publish.extend(step_dispatch(r.id, r.kind, r.version, r.name, r.priority) for r in due)
         report.published = len(due)

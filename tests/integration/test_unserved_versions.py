@@ -122,14 +122,15 @@ def test_a_step_of_an_unknown_version_with_attempts_left_is_taken_back(published
 
 
 # Re-sends: a message to a queue nobody consumes is not lost, it waits there; re-sending it every
-# `REPUBLISH_AFTER_S` only grew that queue, by one message per step per interval.
+# `REPUBLISH_AFTER_S` (30 s) only grew that queue, by one message per step per interval. Such a
+# queue is re-sent to after `REPUBLISH_UNCONSUMED_S` (600 s) only.
 
 
-def _published_long_ago(version: int) -> int:
+def _published_long_ago(version: int, ago: str = "5 minutes") -> int:
     run_id = _run(version)
     sql(
-        "UPDATE engine.step SET published_at = now() - interval '1 hour' WHERE run_id = %s",
-        (run_id,),
+        "UPDATE engine.step SET published_at = now() - CAST(%s AS interval) WHERE run_id = %s",
+        (ago, run_id),
     )
     return int(scalar("SELECT id FROM engine.step WHERE run_id = %s", (run_id,)))
 
@@ -165,6 +166,17 @@ def test_a_lost_message_is_resent_only_to_a_queue_someone_consumes(
     assert scalar(
         "SELECT published_at < now() - interval '1 minute' FROM engine.step WHERE id = %s", (unserved,)
     )
+
+
+def test_a_queue_nobody_says_it_consumes_is_still_resent_to_seldom(
+    published: list[object], consumer_of_probe_v1: object
+) -> None:
+    """A worker of an older release says nothing of what it consumes, and a Redis restart does
+    lose messages: past `REPUBLISH_UNCONSUMED_S` the step is sent again, so none is lost."""
+    stale = _published_long_ago(ALIEN_VERSION, "11 minutes")
+    published.clear()  # what `enqueue` sent
+    sweeper.sweep()
+    assert _resent(published) == {stale}
 
 
 def test_a_consumer_that_arrives_gets_the_steps_resent(published: list[object]) -> None:

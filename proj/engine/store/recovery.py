@@ -83,10 +83,13 @@ CANCELS_TO_FINISH = text(
 # batch's places on every sweep, so past `:n` of them nothing live was sent again
 # (`tests/integration/test_limits.py::test_dead_letters_pending_steps_do_not_starve_the_sweeper`).
 #
-# A re-send (the step was published before) goes only to a version queue some live process says
-# it consumes (`leases.serve_versions`): a message to a queue nobody reads is not lost, it waits
-# there, and re-sending it every `again` seconds only grew that queue. When no process says so at
-# all (`REAP_INTERVAL_S=0`: no liveness sessions), every queue is re-sent to as before
+# A re-send (the step was published before) goes after `again` seconds to a version queue some
+# live process says it consumes (`leases.serve_versions`), and only after `again_unconsumed` to
+# any other: a message to a queue nobody reads is not lost, it waits there, and re-sending it
+# every `again` seconds only grew that queue. Still re-sent, seldom: a worker that does not say
+# what it consumes (an older release during a rollout) may serve it, and its message may really
+# be lost (a Redis restart). When no process says anything (`REAP_INTERVAL_S=0`: no liveness
+# sessions), every queue is re-sent after `again`, as before
 # (`tests/integration/test_unserved_versions.py`).
 PUBLISH_DUE = text(
     """
@@ -101,6 +104,7 @@ PUBLISH_DUE = text(
             SELECT p.id FROM engine.step p JOIN engine.task_run pr ON pr.id = p.run_id
              WHERE p.status = 'pending' AND p.next_attempt_at <= now()
                AND (p.published_at IS NULL
+                    OR p.published_at < now() - make_interval(secs => :again_unconsumed)
                     OR (p.published_at < now() - make_interval(secs => :again)
                         AND (NOT EXISTS (SELECT 1 FROM consumed)
                              OR hashtext(pr.kind || '.v' || pr.version::text)::oid
@@ -174,11 +178,11 @@ def cancels_to_finish(s: Session, n: int, known: Known) -> list[uuid.UUID]:
     return list(s.scalars(CANCELS_TO_FINISH, {"n": n, **known.params()}).all())
 
 
-def publish_due(s: Session, *, again_s: float, n: int) -> list[DueStep]:
+def publish_due(s: Session, *, again_s: float, again_unconsumed_s: float, n: int) -> list[DueStep]:
     """Mark up to `n` due steps published (never sent, or sent over `again_s` ago to a queue
-    some process consumes), highest priority first in the selection; the rows come back
-    unordered."""
-    params = {"again": again_s, "n": n, "ns": CONSUMER_LOCK_NS}
+    some process consumes, or over `again_unconsumed_s` ago), highest priority first in the
+    selection; the rows come back unordered."""
+    params = {"again": again_s, "again_unconsumed": again_unconsumed_s, "n": n, "ns": CONSUMER_LOCK_NS}
     return [DueStep(*r) for r in s.execute(PUBLISH_DUE, params)]
 
 
