@@ -32,6 +32,7 @@ class Gate:
     kind: str
     limit: int
     key: str | None = None
+    key_limit: int | None = None  # the global gate: the kind's limit per key (its line skips full keys)
 
     @property
     def lock(self) -> str:
@@ -67,7 +68,7 @@ def limit_gates(kind: Kind, concurrency_key: str | None) -> list[Gate]:
     """
     gates: list[Gate] = []
     if kind.global_limit is not None:
-        gates.append(Gate("global", kind.name, kind.global_limit))
+        gates.append(Gate("global", kind.name, kind.global_limit, key_limit=kind.concurrency_limit))
     if kind.concurrency_limit is not None and concurrency_key is not None:
         gates.append(Gate("key", kind.name, kind.concurrency_limit, concurrency_key))
     return gates
@@ -90,10 +91,19 @@ def _key(gate: Gate) -> str | None:
 
 def waiters(s: Session, gate: Gate, n: int, before: store.Slot | None = None) -> list[store.Waiter]:
     """Blocked steps in line for `gate`, best first (priority desc, then the oldest run); with
-    `before`, only those ordered before that run."""
+    `before`, only those ordered before that run. The global line leaves out a waiter whose key
+    is full: it could not use the slot."""
     if n <= 0:
         return []
-    return store.waiters(s, kind=gate.kind, key=_key(gate), n=n, fresh=blocked_fresh_s(), before=before)
+    return store.waiters(
+        s,
+        kind=gate.kind,
+        key=_key(gate),
+        n=n,
+        fresh=blocked_fresh_s(),
+        before=before,
+        key_limit=gate.key_limit if gate.scope == "global" else None,
+    )
 
 
 def blocked_fresh_s() -> float:

@@ -495,3 +495,49 @@ def test_a_holder_whose_heartbeat_was_late_keeps_its_slot_until_the_sweeper_take
         f"two runs of a key with limit 1 in a step at once (the waiter's first delivery: {first})"
     )
     assert first == "noop", "refused while the holder's step was running"
+
+
+def test_a_freed_global_slot_is_not_left_idle_behind_a_waiter_whose_key_is_full(published) -> None:
+    """`sharded`: three of the kind at once, one per key. The kind is full (keys a, b, c), and
+    two runs wait for a global slot: one of key a (first in line) and one of key d. b ends:
+    the slot went to the head of the global line, the run of key a, which its key then
+    refused, and the run of key d was told nothing, so the slot stayed idle until the
+    sweeper's re-send (`REPUBLISH_AFTER_S`, 30 s by default). A hot key with many waiters
+    idled every slot freed so, one at a time. Now the global line skips a waiter whose key
+    is full: the freed slot goes to the run of key d at once."""
+    import threading
+
+    from proj.engine import protocol
+    from tests.support.steps import first_step
+
+    k = {name: f"{name}:{new_key()}" for name in "abcd"}
+    holders = {
+        name: runs.enqueue("sharded", {"key": k[name], "hold_s": hold}, idempotency_key=new_key())
+        for name, hold in (("a", 3.0), ("b", 0.5), ("c", 3.0))
+    }
+    threads = {
+        name: threading.Thread(target=protocol.execute, args=(first_step(ref.task_run_id),))
+        for name, ref in holders.items()
+    }
+    for t in threads.values():
+        t.start()
+    wait_for(lambda: scalar("SELECT count(*) FROM testkit.execution") == 3, 10, what="three holders")
+    same_key = runs.enqueue("sharded", {"key": k["a"], "hold_s": 0.1}, idempotency_key=new_key())
+    other_key = runs.enqueue("sharded", {"key": k["d"], "hold_s": 0.1}, idempotency_key=new_key())
+    assert protocol.execute(first_step(same_key.task_run_id)) == "noop"
+    assert protocol.execute(first_step(other_key.task_run_id)) == "noop"
+    assert _blocked(same_key.task_run_id) and _blocked(other_key.task_run_id)
+    del published[:]
+    threads["b"].join(10)  # b commits and hands its global slot on
+    delivered: list[int] = []
+    while published:  # as workers would: every message the hand-offs sent, in order
+        d = published.pop(0)
+        delivered.append(d.step_id)
+        protocol.execute(d.step_id)
+    assert (
+        scalar("SELECT status FROM engine.task_run WHERE id = %s", (other_key.task_run_id,)) == "succeeded"
+    ), f"the freed global slot stayed idle (delivered: {delivered})"
+    assert threads["a"].is_alive() and threads["c"].is_alive(), "while a and c still held theirs"
+    assert _blocked(same_key.task_run_id), "the run of key a still waits for its key"
+    for t in threads.values():
+        t.join(20)

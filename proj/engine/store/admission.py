@@ -71,15 +71,32 @@ HOLDERS_KEY = text(
 )
 
 # For the global gate only steps refused by the global limit count: one refused by its own key
-# could not use a global slot anyway.
+# could not use a global slot anyway. Nor can one whose key is full now (`:key_limit`, the kind's
+# `concurrency_limit`), unless its own run holds that key's slot: it was refused by the global
+# gate first, which is checked first, and a freed global slot handed to it was refused by its
+# key and sat idle until the sweeper's re-send, while a run of another key waited behind it
+# (`tests/integration/test_limits.py::
+# test_a_freed_global_slot_is_not_left_idle_behind_a_waiter_whose_key_is_full`). The full keys
+# are read from the kind's running steps, which its global limit keeps few.
 WAITERS_GLOBAL = text(
     """
+    WITH full_keys AS MATERIALIZED (
+        SELECT hr.concurrency_key AS key
+          FROM engine.step h JOIN engine.task_run hr ON hr.id = h.run_id
+         WHERE h.status = 'running' AND hr.kind = :kind AND hr.concurrency_key IS NOT NULL
+           AND CAST(:key_limit AS int) IS NOT NULL
+         GROUP BY hr.concurrency_key
+        HAVING count(DISTINCT h.run_id) >= CAST(:key_limit AS int)
+    )
     SELECT w.id, w.name, wr.kind, wr.version, wr.priority
       FROM engine.step w JOIN engine.task_run wr ON wr.id = w.run_id
      WHERE w.status = 'pending' AND w.blocked_at IS NOT NULL AND w.next_attempt_at <= now()
        AND w.blocked_at > now() - make_interval(secs => :fresh)
        AND wr.kind = :kind AND w.blocked_on = 'global'
        AND wr.status IN ('pending', 'running', 'waiting') AND wr.cancel_requested_at IS NULL
+       AND (wr.concurrency_key IS NULL
+            OR wr.concurrency_key NOT IN (SELECT key FROM full_keys)
+            OR EXISTS (SELECT 1 FROM engine.step o WHERE o.run_id = wr.id AND o.status = 'running'))
        AND (CAST(:prio AS int) IS NULL
             OR (-wr.priority, wr.created_at, wr.id)
                < (-CAST(:prio AS int), CAST(:created AS timestamptz), CAST(:run AS uuid)))
@@ -168,13 +185,22 @@ def holders(s: Session, *, kind: str, key: str | None, run_id: uuid.UUID | None)
 
 
 def waiters(
-    s: Session, *, kind: str, key: str | None, n: int, fresh: float, before: Slot | None
+    s: Session,
+    *,
+    kind: str,
+    key: str | None,
+    n: int,
+    fresh: float,
+    before: Slot | None,
+    key_limit: int | None = None,
 ) -> list[Waiter]:
     """Up to `n` steps in line for `kind`'s global gate (`key` None) or its `key` gate, best
-    first; with `before`, only those ordered before that run."""
+    first; with `before`, only those ordered before that run. In the global line, `key_limit`
+    (the kind's limit per key) leaves out a waiter whose key is full."""
     params: dict[str, Any] = {
         "kind": kind,
         "key": key,
+        "key_limit": key_limit,
         "n": n,
         "fresh": fresh,
         "prio": None if before is None else before.priority,
