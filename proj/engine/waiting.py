@@ -14,7 +14,8 @@ from proj.engine import dispatch
 from proj.engine.attempts import AttemptEnd, Carry, Claim
 from proj.engine.commits import close_attempt, commit_success
 from proj.engine.context import StepContext
-from proj.engine.errors import LeaseLost
+from proj.engine.errors import BadTopic, LeaseLost, NonRetryable
+from proj.engine.inputs import check_topic
 from proj.engine.kind import Kind, WaitSpec
 from proj.engine.status import Outcome
 from proj.engine.store import waits as store
@@ -28,7 +29,7 @@ def run_wait(
     A wait that holds continues inline like any committed step (`carry`): a mass wake's next
     steps run in the delivery that re-checked, not after another trip through the broker.
     """
-    topic = spec.topic(ctx)
+    topic = reachable(c, spec.topic(ctx))
     if spec.until is not None:
         until = spec.until(ctx)
         with db.transaction() as s:
@@ -49,6 +50,21 @@ def run_wait(
             return AttemptEnd.succeeded(commit_success(c, kind, {"signal": sig.payload}, carry=carry))
     timeout = spec.timeout_s(ctx) if callable(spec.timeout_s) else spec.timeout_s
     return park(c, topic, timeout_s=timeout, any_signal=spec.check is None)
+
+
+def reachable(c: Claim, topic: str) -> str:
+    """The topic, if a signal can reach it; else the step fails for good (`NonRetryable`).
+
+    Why: `signal` refuses a topic outside `TOPIC_RE` or over `MAX_TOPIC_LEN` (a space, a
+    title), so a step parked on one could only ever be woken by its timer, and a wait without
+    a check parked again at each timeout, forever, one attempt row per wake-up
+    (`tests/integration/test_waits_cancel.py::test_a_wait_on_a_topic_no_signal_can_reach_fails_at_once`).
+    """
+    try:
+        check_topic(topic)
+    except BadTopic as exc:
+        raise NonRetryable(f"wait {c.name} cannot park: {exc}") from exc
+    return topic
 
 
 def park(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from tests.conftest import new_key
 from tests.support.services import scalar, sql, wait_for
 
@@ -296,3 +298,24 @@ def test_a_signal_whose_transaction_began_before_the_claim_wakes_a_bare_wait(pub
     assert protocol.execute(step) == "succeeded"
     wait_for(lambda: _status(ref.task_run_id) == "succeeded", 10, what="the run to go on")
     assert runs.get(ref.task_run_id).result == {"signal": {"ok": 1}}
+
+
+def test_a_wait_on_a_topic_no_signal_can_reach_fails_at_once(published) -> None:
+    """A wait whose topic `signal` refuses (a space, over 512 characters) can never be woken by
+    a signal: it parked anyway, and a wait without a check then parked again at every timeout,
+    forever, one attempt row per wake-up. Now the wait refuses such a topic: the run fails at
+    once, a dead letter naming the topic, and nothing is parked."""
+    from proj.engine import protocol, runs
+    from proj.engine.errors import BadTopic
+
+    for topic in ("needs approval", "t:" + "x" * 600):
+        with pytest.raises(BadTopic):
+            runs.signal(topic)
+        ref = runs.enqueue("signalled", {"topic": topic, "timeout_s": 1}, idempotency_key=new_key())
+        step = scalar("SELECT id FROM engine.step WHERE run_id = %s", (ref.task_run_id,))
+        assert protocol.execute(step, starts_run=True) == "failed"
+        view = runs.get(ref.task_run_id)
+        assert view.status == "failed", view
+        assert "bad signal topic" in view.last_error["message"], view.last_error
+        assert view.last_error["attempts"] == 1
+        assert scalar("SELECT count(*) FROM engine.step WHERE status = 'waiting'") == 0
