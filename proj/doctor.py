@@ -49,12 +49,15 @@ def check_postgres(settings: Settings) -> Check:
     try:
         url = settings.require_database_url()
     except RuntimeError as exc:
-        return Check("postgres", "FAIL", "DATABASE_URL is not set", str(exc))
+        if not settings.database_url:
+            return Check("postgres", "FAIL", "DATABASE_URL is not set", str(exc))
+        return Check("postgres", "FAIL", f"{mask_url(settings.database_url)}: {exc}", "correct DATABASE_URL")
     shown = mask_url(settings.database_url)
-    engine = create_engine(
-        url, poolclass=NullPool, connect_args={"connect_timeout": 3, "application_name": "proj-doctor"}
-    )
+    engine = None
     try:
+        engine = create_engine(
+            url, poolclass=NullPool, connect_args={"connect_timeout": 3, "application_name": "proj-doctor"}
+        )
         with engine.connect() as conn:
             version = conn.scalar(text("SHOW server_version"))
         return Check("postgres", "OK", f"{shown}: PostgreSQL {version}")
@@ -66,7 +69,8 @@ def check_postgres(settings: Settings) -> Check:
             "start PostgreSQL or correct DATABASE_URL (host, port, user, database must exist)",
         )
     finally:
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
 
 
 def check_broker(settings: Settings) -> Check:

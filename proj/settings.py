@@ -172,7 +172,20 @@ class Settings(BaseSettings):
                 "DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test "
                 "(or run `proj demo`, which starts an embedded one)."
             )
+        if not self.database_url.startswith(POSTGRES_SCHEMES):
+            scheme, sep, _ = self.database_url.partition("://")
+            given = f"this one starts with {scheme + sep!r}" if sep else "this one has no scheme"
+            raise RuntimeError(
+                f"DATABASE_URL must be a Postgres URL, postgresql://user@host:5432/db ({given})"
+            )
         return sqlalchemy_url(self.database_url)
+
+
+POSTGRES_SCHEMES = ("postgres://", "postgresql://", "postgresql+psycopg://")
+"""The URLs `DATABASE_URL` may take: Postgres through psycopg 3, the only driver installed.
+Anything else (`mysql://`, `sqlite:///…`, a URL without a scheme) failed deep inside SQLAlchemy
+with a bare `ModuleNotFoundError`, `ArgumentError` or `TypeError`, `proj doctor` included
+(`tests/integration/test_operator_review.py::test_a_database_url_that_is_not_postgres_says_so`)."""
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -181,7 +194,7 @@ def sqlalchemy_url(url: str) -> str:
     A libpq multi-host URL (`postgresql://u@h1:5432,h2:5432/db?target_session_attrs=read-write`,
     for failover) becomes SQLAlchemy's form, one `host=h:port` query item per host.
     """
-    for prefix in ("postgres://", "postgresql://", "postgresql+psycopg://"):
+    for prefix in POSTGRES_SCHEMES:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + _hosts_as_query(url[len(prefix) :])
     return url
