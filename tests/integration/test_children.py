@@ -331,3 +331,36 @@ def test_a_child_locked_during_the_cascade_is_canceled_by_the_sweeper(inproc) ->
         scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (child[0],))
         == "its parent run ended"
     )
+
+
+def test_sibling_steps_parking_at_once_leave_the_run_waiting(inproc, monkeypatch) -> None:
+    """Two items of a fan-out park together, each in its own transaction. Each one's check "no
+    other step of the run running or pending" saw its sibling still `running` (not committed
+    yet), so neither marked the run `waiting`: /admin and `proj_runs` showed it running while
+    nothing ran. Held at the same point (a barrier before the run's mark), the second park now
+    waits for the first's commit and sees it."""
+    import threading
+
+    from proj.engine.store import waits
+
+    barrier = threading.Barrier(2, timeout=15)
+    mark = waits.run_waiting
+
+    def both_parked_first(s, run_id):  # both PARK statements done, neither committed
+        barrier.wait()
+        return mark(s, run_id)
+
+    monkeypatch.setattr(waits, "run_waiting", both_parked_first)
+    ref = inproc.enqueue("cfan", {"count": 2, "slow_s": 6}, idempotency_key=new_key())
+    wait_for(
+        lambda: (
+            scalar(
+                "SELECT count(*) FROM engine.step WHERE run_id = %s AND status = 'waiting'",
+                (ref.task_run_id,),
+            )
+            == 2
+        ),
+        20,
+        what="both items to park",
+    )
+    assert _status(ref.task_run_id) == "waiting"

@@ -18,7 +18,7 @@ Each function runs the statement named like it in capitals (`park`: `PARK`).
 | `latest_signal`, `any_signal` | | the newest signal, whether any is stored |
 | `signal_since`, `reached` | | a signal stored since a time, a timer due |
 | `park` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
-| `run_waiting` | run running, no step running or pending | waiting |
+| `run_waiting` (`LOCK_RUN`, `RUN_WAITING`) | run running, no step running or pending | waiting |
 | `wake_topic` | steps waiting on the topic | pending, published (runs: at their claim) |
 | `wake_due_timers` | steps waiting past `wait_until` | pending, published (runs: at their claim) |
 """
@@ -67,6 +67,13 @@ PARK = text(
     RETURNING id
     """
 )
+
+# The run row is locked first, in a statement of its own: sibling steps parking at once (a
+# fan-out) each saw the other still `running` in their one statement's snapshot, and neither
+# marked the run. Locked first, the second park waits for the first's commit, and its
+# `RUN_WAITING`, a later statement, reads it (`tests/integration/test_children.py::
+# test_sibling_steps_parking_at_once_leave_the_run_waiting`).
+LOCK_RUN = text("SELECT 1 FROM engine.task_run WHERE id = :run FOR NO KEY UPDATE")
 
 RUN_WAITING = text(
     """
@@ -195,5 +202,7 @@ def park(
 
 
 def run_waiting(s: Session, run_id: uuid.UUID) -> bool:
-    """The run shows `waiting` if none of its steps runs or is pending; False: it does not."""
+    """The run shows `waiting` if none of its steps runs or is pending; False: it does not.
+    Locks the run row first (`LOCK_RUN`), so parks of sibling steps see each other."""
+    s.execute(LOCK_RUN, {"run": run_id})
     return changed(s.execute(RUN_WAITING, {"run": run_id})) > 0
