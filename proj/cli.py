@@ -433,11 +433,9 @@ def outbox(limit: int = typer.Option(10, min=0, help="dead events to list")) -> 
 
     with db.transaction() as s:
         box = queries.outbox_summary(s, limit=limit)
-    if not box.present:
-        console.print(
-            "[yellow]no outbox table (outbox.outbox_event) in this database: run `proj migrate`[/yellow]"
-        )
-        return
+    if not box.present:  # a database not migrated: nothing to show, exit 1 like every other command
+        errors.print("[red]no outbox table (outbox.outbox_event) in this database: run `proj migrate`[/red]")
+        raise typer.Exit(1)
     counts = Table("status", "events")
     for st in ("pending", "dispatched", "dead"):
         counts.add_row(st, str(box.counts.get(st, 0)))

@@ -35,3 +35,23 @@ def test_a_database_url_that_is_not_postgres_says_so() -> None:
         out = doctor.stdout + doctor.stderr
         assert "DATABASE_URL must be a Postgres URL" in out and "check(s) failed: postgres" in out, out
         assert "hunter2" not in out, out
+
+
+def test_outbox_on_a_database_not_migrated_exits_non_zero() -> None:
+    """Before: `proj outbox` on a database without the outbox table printed "run `proj migrate`"
+    and exited 0, unlike every other command on such a database (exit 1), so a script or a
+    healthcheck took it for a working outbox. Now it exits 1 with that line on stderr."""
+    import psycopg
+
+    from tests.conftest import PG_ADMIN_URL, TEST_DB
+    from tests.support.services import recreate_database
+
+    name = f"{TEST_DB}_unmigrated"
+    recreate_database(PG_ADMIN_URL, name)
+    try:
+        done = proj_run("outbox", env={"DATABASE_URL": PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name})
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "run `proj migrate`" in done.stderr, done.stderr
