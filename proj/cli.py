@@ -164,8 +164,8 @@ def list_runs(
             short = key if len(key) <= 40 else key[:39] + "…"
             table.add_row(run_id, kv, f"[{style}]{st}[/{style}]", step, short, created)
         console.print(table)
-    if more:
-        console.print(f"[dim]more than {limit}: use --limit or filters[/dim]")
+    if more:  # on stderr: piped, stdout stays one run per line
+        errors.print(f"[dim]more than {limit}: use --limit or filters[/dim]")
 
 
 @cli.command()
@@ -340,8 +340,8 @@ def list_requests(
         console.print(table)
     if following is not None:  # on stderr when piped: the lines stay one request each
         errors.print(f"[dim]more: proj requests --after {following}[/dim]")
-    if not rows:
-        console.print("[dim]no requests: `proj request FILE.torrent --requester NAME` makes one[/dim]")
+    if not rows:  # on stderr too: piped, stdout holds only the header and request lines
+        errors.print("[dim]no requests: `proj request FILE.torrent --requester NAME` makes one[/dim]")
 
 
 @cli.command()

@@ -55,3 +55,26 @@ def test_outbox_on_a_database_not_migrated_exits_non_zero() -> None:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "run `proj migrate`" in done.stderr, done.stderr
+
+
+def test_piped_runs_and_requests_print_only_tab_separated_lines(published) -> None:
+    """README: "Piped, `proj runs` and `proj requests` print whole values, one per line,
+    tab-separated." Before: piped `proj runs --limit 1` added "more than 1: use --limit or
+    filters" to stdout, and `proj requests` with none added "no requests: …", so `cut -f1` or
+    `tail -n +2` read a hint as a run or a request. Now hints go to stderr, as `proj requests`'
+    "more:" hint already did."""
+    from proj.engine import runs
+    from tests.conftest import new_key
+
+    for n in range(2):
+        runs.enqueue("probe", {"n": n}, idempotency_key=new_key())
+    runs = proj_run("runs", "--limit", "1")
+    assert runs.returncode == 0, runs.stderr
+    lines = runs.stdout.splitlines()
+    assert len(lines) == 2 and all(len(line.split("\t")) == 6 for line in lines), runs.stdout
+    assert "more than 1" in runs.stderr, runs.stderr
+
+    none = proj_run("requests", "--status", "rejected")
+    assert none.returncode == 0, none.stderr
+    assert none.stdout.splitlines() == ["id\ttitle\trequester\tstatus\tprogress\tsize\tage"], none.stdout
+    assert "no requests" in none.stderr, none.stderr
