@@ -119,13 +119,19 @@ def show(run_id: str, as_json: bool = typer.Option(False, "--json", help="the ra
         console.print(f"decide with: proj resolve {view.id} --retry | --abandon")
 
 
+LIST_MAX = 10_000
+"""The most lines `proj runs --limit` and `proj outbox --limit` ask for: a larger number ended on
+Postgres' `bigint out of range` (a DataError line), or read a whole history into the terminal
+(`tests/integration/test_operator_review.py::test_huge_option_values_are_refused_as_usage_errors`)."""
+
+
 @cli.command("runs")
 def list_runs(
     kind: str | None = None,
     version: int | None = None,
     status: str | None = None,
     search: str | None = typer.Option(None, "--search", "-q", help="run id (prefix) or part of a key"),
-    limit: int = typer.Option(20),
+    limit: int = typer.Option(20, max=LIST_MAX, help=f"runs to list (1..{LIST_MAX})"),
 ) -> None:
     """List recent runs, newest first."""
     from proj import db
@@ -426,7 +432,7 @@ def _not_retried(rid: uuid.UUID) -> str:
 
 
 @cli.command()
-def outbox(limit: int = typer.Option(10, min=0, help="dead events to list")) -> None:
+def outbox(limit: int = typer.Option(10, min=0, max=LIST_MAX, help="dead events to list")) -> None:
     """Outbox backlog: pending/dispatched/dead counts, the oldest pending event, dead events."""
     from proj import db
     from proj.admin import queries
@@ -522,7 +528,7 @@ def healthcheck(
     role: str = typer.Option(
         "worker", envvar="PROJ_ROLE", help="what this container runs: worker, beat, admin or flower"
     ),
-    timeout: float = typer.Option(5.0, min=0.1, help="seconds before it counts as unhealthy"),
+    timeout: float = typer.Option(5.0, min=0.1, max=3600, help="seconds before it counts as unhealthy"),
     port: int = typer.Option(
         None, min=1, max=65535, envvar="PROJ_HEALTH_PORT", help="admin or flower: its port (8088, 5555)"
     ),

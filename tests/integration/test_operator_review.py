@@ -78,3 +78,21 @@ def test_piped_runs_and_requests_print_only_tab_separated_lines(published) -> No
     assert none.returncode == 0, none.stderr
     assert none.stdout.splitlines() == ["id\ttitle\trequester\tstatus\tprogress\tsize\tage"], none.stdout
     assert "no requests" in none.stderr, none.stderr
+
+
+def test_huge_option_values_are_refused_as_usage_errors() -> None:
+    """Before: `proj runs --limit 9223372036854775807` and `proj outbox --limit 99999999999999999999`
+    ended on `DataError: (psycopg.errors.NumericValueOutOfRange) bigint out of range`,
+    and `proj healthcheck --timeout 1e308` on `OverflowError: timestamp out of range for
+    platform time_t`, lines that name no option. Now each is a usage error naming the option
+    and its bound, exit 2, before anything is read."""
+    cases = [
+        ("runs", "--limit", "9223372036854775807"),
+        ("outbox", "--limit", "99999999999999999999"),
+        ("healthcheck", "--role", "beat", "--timeout", "1e308"),
+    ]
+    for args in cases:
+        done = proj_run(*args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        option = args[-2]
+        assert f"Invalid value for '{option}'" in done.stderr, (args, done.stderr)
