@@ -354,7 +354,9 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
     def cancel(task_id: str, body: Decision | None = None) -> Any:
         tid = task_id_or_404(task_id)
         d = body or Decision()
-        reason = d.reason or "canceled through the API"
+        # Only a missing reason takes the default: an empty one is bad input (400), as for `by`
+        # (`tests/integration/test_operator_review.py::test_an_api_cancel_with_an_empty_reason_is_refused`).
+        reason = "canceled through the API" if d.reason is None else d.reason
         return decide(tid, lambda: service.cancel_download(engine, db.sessions(), tid, reason, by=d.by))
 
     def decide(tid: uuid.UUID, act: Any) -> Any:

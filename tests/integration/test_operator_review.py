@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from tests.front_door_fixtures import *  # noqa: F403  (app_settings, api)
 from tests.support.services import ROOT
 
 
@@ -96,3 +97,22 @@ def test_huge_option_values_are_refused_as_usage_errors() -> None:
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         option = args[-2]
         assert f"Invalid value for '{option}'" in done.stderr, (args, done.stderr)
+
+
+def test_an_api_cancel_with_an_empty_reason_is_refused(api, tmp_path) -> None:
+    """README: 400 for "an empty `by`/`reason` … (decisions and cancel alike)". Before:
+    `POST /api/requests/ID/cancel` with `{"reason": ""}` canceled the request (200) under the
+    default reason, while `"   "` was a 400 and `proj cancel ID --reason ''` refused; now an
+    empty reason is the same 400 and nothing is canceled. A body without a reason still takes
+    the default."""
+    from proj.qbt.local import make_torrent
+    from tests.front_door_fixtures import post_request
+
+    (tmp_path / "film.mkv").write_bytes(os.urandom(20_000))
+    torrent = make_torrent(tmp_path / "film.mkv")[0]
+    tid = post_request(api, torrent).json()["id"]
+    r = api.post(f"/api/requests/{tid}/cancel", json={"by": "olga", "reason": ""})
+    assert r.status_code == 400 and r.json()["error"] == "BadInput", (r.status_code, r.text)
+    assert api.get(f"/api/requests/{tid}").json()["status"] == "requested"
+    r = api.post(f"/api/requests/{tid}/cancel", json={"by": "olga"})
+    assert r.status_code == 200 and r.json()["status"] in ("canceling", "canceled"), r.text
