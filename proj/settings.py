@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -163,6 +163,19 @@ class Settings(BaseSettings):
     admin_secret: SecretStr | None = Field(
         default=None, description="signs the admin session cookie (CSRF); random per start if unset"
     )
+
+    @field_validator("engine_serve")
+    @classmethod
+    def _serve_list(cls, v: str) -> str:
+        """`ENGINE_SERVE` is `kind@version,…`. Before, `acquire` (no version) ended a worker's
+        start on `IndexError: list index out of range` and `acquire@x` on an int() ValueError,
+        in Celery's "Unable to load celery application" traceback
+        (`tests/integration/test_operator_review.py::test_a_malformed_engine_serve_is_a_bad_setting`)."""
+        for part in filter(None, (p.strip() for p in v.split(","))):
+            name, at, version = part.partition("@")
+            if not (name.strip() and at and version.strip().isdigit() and int(version) >= 1):
+                raise ValueError(f"{part!r} is not kind@version (e.g. 'acquire@1,acquire@2')")
+        return v
 
     def require_database_url(self) -> str:
         """Return the SQLAlchemy URL (psycopg 3 driver) or explain what is missing."""

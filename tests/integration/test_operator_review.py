@@ -116,3 +116,27 @@ def test_an_api_cancel_with_an_empty_reason_is_refused(api, tmp_path) -> None:
     assert api.get(f"/api/requests/{tid}").json()["status"] == "requested"
     r = api.post(f"/api/requests/{tid}/cancel", json={"by": "olga"})
     assert r.status_code == 200 and r.json()["status"] in ("canceling", "canceled"), r.text
+
+
+def test_a_malformed_engine_serve_is_a_bad_setting() -> None:
+    """README: `ENGINE_SERVE=acquire@2,…` pins the versions a worker serves. Before: a part
+    without its version (`acquire`) ended `celery -A proj worker` on `IndexError: list index out
+    of range`, and `acquire@x` on int()'s ValueError, naming no setting. Now ENGINE_SERVE is
+    checked with the other settings: the worker's error names it and the form it takes, and a
+    `proj` command says "bad setting: ENGINE_SERVE" in one line."""
+    for value in ("acquire", "acquire@x", "acquire@0"):
+        done = proj_run("runs", env={"ENGINE_SERVE": value})
+        assert done.returncode == 1, (value, done.stdout, done.stderr)
+        assert "bad setting: ENGINE_SERVE" in done.stderr and "kind@version" in done.stderr, done.stderr
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENGINE_SERVE": "acquire"}
+    worker = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "warning", "-n", "badserve@%h"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert worker.returncode != 0, worker.stdout + worker.stderr
+    assert "engine_serve" in worker.stderr and "'acquire' is not kind@version" in worker.stderr, worker.stderr
+    assert "IndexError" not in worker.stderr, worker.stderr
