@@ -179,7 +179,12 @@ def signal(topic: str, payload: str = typer.Option("null", help="JSON payload"))
     """Store a signal and wake the runs waiting on TOPIC (e.g. qBittorrent's on-finish hook)."""
     from proj.engine import runs
 
-    woken = runs.signal(topic, json.loads(payload))
+    try:
+        body = json.loads(payload)
+    except ValueError as exc:  # before: "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+        errors.print(f"[red]--payload must be JSON (e.g. '{{\"ok\": true}}'): {escape(str(exc))}[/red]")
+        raise typer.Exit(2) from None
+    woken = runs.signal(topic, body)
     console.print(f"signal {topic}: {woken} run(s) woken")
 
 

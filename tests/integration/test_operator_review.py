@@ -140,3 +140,20 @@ def test_a_malformed_engine_serve_is_a_bad_setting() -> None:
     assert worker.returncode != 0, worker.stdout + worker.stderr
     assert "engine_serve" in worker.stderr and "'acquire' is not kind@version" in worker.stderr, worker.stderr
     assert "IndexError" not in worker.stderr, worker.stderr
+
+
+def test_a_signal_payload_that_is_not_json_names_the_option() -> None:
+    """Before: `proj signal TOPIC --payload '{bad'` answered `JSONDecodeError: Expecting
+    property name enclosed in double quotes: line 1 column 2 (char 1)`, naming neither the
+    option nor what it takes, exit 1 as if the command had run. Now it is a usage error: the
+    line names --payload and says it must be JSON, exit 2, and nothing is stored."""
+    from tests.support.services import scalar
+
+    before = scalar("SELECT count(*) FROM engine.task_signal")
+    for bad in ("{bad", ""):
+        done = proj_run("signal", "review:payload", "--payload", bad)
+        assert done.returncode == 2, (bad, done.stdout, done.stderr)
+        assert "--payload must be JSON" in done.stderr and "JSONDecodeError" not in done.stderr, done.stderr
+    assert scalar("SELECT count(*) FROM engine.task_signal") == before
+    done = proj_run("signal", "review:payload", "--payload", '{"ok": true}')
+    assert done.returncode == 0 and "0 run(s) woken" in done.stdout, (done.stdout, done.stderr)
