@@ -220,8 +220,10 @@ def cancel(
         hint = _abandon_hint(ident, view.status)
         errors.print(f"[red]run {ident} has finished ({view.status}): nothing to cancel{hint}[/red]")
         raise typer.Exit(1)
+    with _business_errors():  # the request's rule for a run too: before, '' canceled as " (by …)"
+        why = service.check_reason(reason)
     try:
-        outcome = runs.cancel(ident, f"{reason} (by {by or _operator()})")
+        outcome = runs.cancel(ident, f"{why} (by {by or _operator()})")
     except KeyError:
         errors.print(f"[red]no request or run {run_or_request}[/red]")
         raise typer.Exit(1) from None

@@ -157,3 +157,24 @@ def test_a_signal_payload_that_is_not_json_names_the_option() -> None:
     assert scalar("SELECT count(*) FROM engine.task_signal") == before
     done = proj_run("signal", "review:payload", "--payload", '{"ok": true}')
     assert done.returncode == 0 and "0 run(s) woken" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_cancel_of_a_run_refuses_an_empty_reason_as_a_request_does(published) -> None:
+    """Before: `proj cancel REQUEST --reason ''` refused ("a reason must be 1..500 characters"),
+    but `proj cancel RUN --reason ''` canceled the run with the reason " (by root)", and a
+    600-character reason went in whole. Now a run's cancel takes the same reason rule, exit 1,
+    and the run is left alone."""
+    from proj.engine import runs
+    from tests.conftest import new_key
+    from tests.support.services import scalar
+
+    ref = runs.enqueue("probe", {"n": 1}, idempotency_key=new_key())
+    for reason in ("", "   ", "r" * 600):
+        done = proj_run("cancel", str(ref.task_run_id), "--reason", reason)
+        assert done.returncode == 1, (reason, done.stdout, done.stderr)
+        assert "a reason must be 1..500 characters" in done.stderr, done.stderr
+    assert scalar("SELECT cancel_requested_at FROM engine.task_run WHERE id = %s", (ref.task_run_id,)) is None
+    done = proj_run("cancel", str(ref.task_run_id), "--reason", " wrong film ", "--by", "alice")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    reason = scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (ref.task_run_id,))
+    assert reason == "wrong film (by alice)", reason
