@@ -243,15 +243,22 @@ def _run_chunk(claims: list[Claim]) -> str | None:
         else:
             rest.append(c)
     landed = chain.commit_together(held)
-    for c, _, _ in held:
-        if c.step_id not in landed:
-            rest.append(c)
-            continue
-        log.debug("step %s attempt %s: the check held, committed with its chunk", c.step_id, c.attempt)
-        outcome = Outcome.SUCCEEDED
-        nxt = landed[c.step_id]
-        if nxt is not None:
-            outcome = _run_chain(nxt)
+    # The next steps the commit claimed wait their turn like the chunk's own claims: heart-beaten
+    # until each one's chain runs. Left out, one waiting behind an earlier chain longer than a
+    # lease was taken back by a sweep and re-sent while this process still ran its body on the
+    # stale token (`tests/integration/test_step_path_review.py::
+    # test_next_steps_a_chunk_claimed_keep_their_lease_while_an_earlier_chain_runs`).
+    carried = [(n.step_id, n.token) for n in landed.values() if n is not None]
+    with HEARTBEAT.track_many(carried):
+        for c, _, _ in held:
+            if c.step_id not in landed:
+                rest.append(c)
+                continue
+            log.debug("step %s attempt %s: the check held, committed with its chunk", c.step_id, c.attempt)
+            outcome = Outcome.SUCCEEDED
+            nxt = landed[c.step_id]
+            if nxt is not None:
+                outcome = _run_chain(nxt)
     for c in rest:
         outcome = _run_chain(c)
     return outcome
