@@ -101,6 +101,11 @@ CLAIM = text(
 # bound reach `task_run_start_idx` as index conditions even in the generic plan of a prepared
 # statement (psycopg prepares after 5 runs); joined instead, they were a filter over every run of
 # the kind, finished ones included (`tests/integration/test_limits.py::test_a_start_claim_probes_only_…`).
+# `better` keeps the guard of `claimed`: a run asked to cancel or past its deadline can start no
+# step, and chosen anyway it made the claim take nothing, so the delivery's own run waited for
+# the sweeper's re-send (`REPUBLISH_AFTER_S`) though a worker held its message
+# (`tests/integration/test_step_path_review.py::
+# test_a_start_message_skips_a_better_run_past_its_deadline`).
 CLAIM_START = text(
     """
     WITH me AS MATERIALIZED (
@@ -116,7 +121,7 @@ CLAIM_START = text(
           JOIN engine.step s2 ON s2.run_id = r2.id AND s2.stage = 0 AND s2.item_index = 0
          WHERE r2.kind = (SELECT kind FROM me) AND r2.version = (SELECT version FROM me)
            AND r2.status = 'pending' AND r2.priority > (SELECT above FROM me)
-           AND r2.cancel_requested_at IS NULL
+           AND r2.cancel_requested_at IS NULL AND (r2.deadline_at IS NULL OR r2.deadline_at > now())
            AND (s2.status = 'pending' AND s2.next_attempt_at <= now()) IS TRUE
          ORDER BY r2.priority DESC, r2.created_at, r2.id
          LIMIT 1
