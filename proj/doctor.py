@@ -97,8 +97,16 @@ def check_broker(settings: Settings) -> Check:
 
 
 def check_qbittorrent(settings: Settings) -> Check:
+    """qBittorrent's Web UI answering a login. Unset `QBT_URL` is a warning, not a skip: every
+    acquire then fails at its add step ("QBT_URL is not set"), and "no check failed" alone hid
+    it (`tests/integration/test_cli.py::test_doctor_warns_that_acquires_fail_without_qbt_url`)."""
     if not settings.qbt_url:
-        return Check("qbittorrent", "SKIP", "QBT_URL is not set", "set QBT_URL to check qBittorrent's Web UI")
+        return Check(
+            "qbittorrent",
+            "WARN",
+            "QBT_URL is not set: every acquire fails at its add step",
+            "set QBT_URL (with QBT_USERNAME / QBT_PASSWORD) to qBittorrent's Web UI",
+        )
     import qbittorrentapi
 
     client = qbittorrentapi.Client(

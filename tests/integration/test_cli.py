@@ -86,6 +86,13 @@ def test_doctor_says_what_to_fix_and_hides_passwords() -> None:
     assert "hunter" not in out, "a password reached the output"
 
 
+def test_doctor_warns_that_acquires_fail_without_qbt_url() -> None:
+    r = proj_subprocess("doctor", env={"QBT_URL": ""})
+    out = r.stdout + r.stderr
+    assert "qbittorrent       │ WARN" in out and "every acquire fails" in out, out
+    assert "qbittorrent" in out.split("warning(s): ")[-1], out
+
+
 def test_doctor_fails_an_impossible_connection_budget() -> None:
     r = proj_subprocess("doctor", env={"EXPECTED_WORKERS": "400", "QBT_URL": ""})
     out = r.stdout + r.stderr
