@@ -208,11 +208,12 @@ def cancel(
     from proj.engine.status import TERMINAL
 
     ident = _uuid_or_exit(run_or_request)
+    who = _who(by)
     with db.transaction() as s:
         is_request = s.get(DownloadTask, ident) is not None
     if is_request:
         with _business_errors():
-            n = service.cancel_download(_engine(), db.sessions(), ident, reason, by=by or _operator())
+            n = service.cancel_download(_engine(), db.sessions(), ident, reason, by=who)
         console.print(f"cancel requested for request {ident}: {n} run(s) stopping, compensation follows")
         return
     view = runs.get(ident)
@@ -223,7 +224,7 @@ def cancel(
     with _business_errors():  # the request's rule for a run too: before, '' canceled as " (by …)"
         why = service.check_reason(reason)
     try:
-        outcome = runs.cancel(ident, f"{why} (by {by or _operator()})")
+        outcome = runs.cancel(ident, f"{why} (by {who})")
     except KeyError:
         errors.print(f"[red]no request or run {run_or_request}[/red]")
         raise typer.Exit(1) from None
@@ -258,6 +259,18 @@ def _operator() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return "cli"
+
+
+def _who(by: str | None) -> str:
+    """`--by`, or your user name when it is left out. Given but blank, it is a usage error, as
+    the API refuses an empty `by`: before, `--by ''` was silently your user name
+    (`tests/integration/test_cli.py::test_a_blank_by_is_a_usage_error`)."""
+    if by is None:
+        return _operator()
+    if not by.strip():
+        errors.print("[red]--by must name someone (leave it out for your user name)[/red]")
+        raise typer.Exit(2)
+    return by
 
 
 def _uuid_or_exit(value: str) -> uuid.UUID:
@@ -367,7 +380,7 @@ def approve(
     from proj.acquisition import service
 
     tid = _uuid_or_exit(request_id)
-    who = by or _operator()
+    who = _who(by)
     with _business_errors():
         service.approve_and_signal(_engine(), db.sessions(), tid, who)  # type: ignore[arg-type]
     console.print(f"approved {tid} by {who}")
@@ -384,7 +397,7 @@ def reject(
     from proj.acquisition import service
 
     tid = _uuid_or_exit(request_id)
-    who = by or _operator()
+    who = _who(by)
     with _business_errors():
         service.reject_and_stop(_engine(), db.sessions(), tid, who, reason)  # type: ignore[arg-type]
     console.print(f"rejected {tid} by {who}: {reason}")

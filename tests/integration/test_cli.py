@@ -93,6 +93,14 @@ def test_doctor_warns_that_acquires_fail_without_qbt_url() -> None:
     assert "qbittorrent" in out.split("warning(s): ")[-1], out
 
 
+def test_a_blank_by_is_a_usage_error() -> None:
+    """`--by ''` was silently your user name (the API refuses an empty `by`)."""
+    some = str(uuid.uuid4())
+    for args in (("approve", some), ("reject", some, "--reason", "no"), ("cancel", some)):
+        code, out = proj(*args, "--by", "  ")
+        assert code == 2 and "--by must name someone" in out, (args, out)
+
+
 def test_doctor_fails_an_impossible_connection_budget() -> None:
     r = proj_subprocess("doctor", env={"EXPECTED_WORKERS": "400", "QBT_URL": ""})
     out = r.stdout + r.stderr
