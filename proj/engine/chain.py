@@ -283,8 +283,20 @@ def advance(
     # caller just committed it, nothing is left open and the count can be skipped.
     sole = current is not None and current.single
     counted = not (sole and stage == run.current_stage)
-    if counted and store.open_in_stage(s, run_id, run.current_stage):
-        return Committed([])
+    if counted:
+        left = store.open_in_stage(s, run_id, run.current_stage)
+        if left.open:
+            if (
+                left.parked == left.open
+                and run.status == RunStatus.RUNNING
+                and run.cancel_requested_at is None
+            ):
+                # The step just committed was the last one running: its siblings are parked (a
+                # fan-out of child runs), so the run is `waiting` until one of them is woken, as
+                # a park leaves it (`tests/integration/test_step_path_review.py::
+                # test_a_fan_out_item_that_succeeds_while_its_siblings_are_parked_leaves_the_run_waiting`).
+                waits_store.run_waiting_locked(s, run_id)
+            return Committed([])
     if run.cancel_requested_at is not None:
         return Committed(finalize_cancel(s, run_id))
     plan = PlanContext(run_id=run_id, kind=kind, raw_input=run.input, _session=s)

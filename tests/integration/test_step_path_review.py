@@ -81,3 +81,39 @@ def test_a_start_message_skips_a_better_run_past_its_deadline(published) -> None
     assert sql("SELECT status, attempts FROM engine.step WHERE run_id = %s", (late.task_run_id,)) == [
         ("pending", 0)
     ], "the late run started nothing"
+
+
+def _run_status(run_id) -> str:
+    return str(scalar("SELECT status FROM engine.task_run WHERE id = %s", (run_id,)))
+
+
+def test_a_fan_out_item_that_succeeds_while_its_siblings_are_parked_leaves_the_run_waiting(
+    published,
+) -> None:
+    """Two items of a fan-out each start a child run and park until it finishes: the run is
+    `waiting`. One child finishes and wakes its item, whose claim shows the run `running`; the
+    item commits the child's result, and the other item is still parked. Nothing runs then, but
+    the run stayed `running` (in /admin, `proj runs`, `proj_runs`) until the last child ended,
+    hours for a download; now the item's commit leaves it `waiting`, as a park does."""
+    ref = runs.enqueue("cfan", {"count": 2}, idempotency_key=new_key())
+    items = [
+        r[0]
+        for r in sql("SELECT id FROM engine.step WHERE run_id = %s ORDER BY item_index", (ref.task_run_id,))
+    ]
+    for step_id in items:
+        assert protocol.execute(step_id, starts_run=True) == "waiting"
+    assert _run_status(ref.task_run_id) == "waiting"
+    child = scalar(
+        "SELECT id FROM engine.task_run WHERE parent_run_id = %s AND idempotency_key LIKE %s",
+        (ref.task_run_id, "%:1"),
+    )
+    assert protocol.execute(first_step(child), starts_run=True) == "succeeded"
+    assert scalar("SELECT status FROM engine.step WHERE id = %s", (items[1],)) == "pending", "woken"
+
+    assert protocol.execute(items[1], starts_run=True) == "succeeded"
+
+    assert sql(
+        "SELECT item_index, status FROM engine.step WHERE run_id = %s ORDER BY item_index",
+        (ref.task_run_id,),
+    ) == [(0, "waiting"), (1, "succeeded")]
+    assert _run_status(ref.task_run_id) == "waiting"

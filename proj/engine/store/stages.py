@@ -9,7 +9,7 @@ Each function runs the statement named like it in capitals (`insert_run`: `INSER
 | `insert_runs` | no run of each `(kind, key)` | each as `insert_run`, in one statement |
 | `existing_runs` | | the runs that taken keys name, with their input hashes |
 | `lock_run` | | run row locked for the advance |
-| `open_in_stage` | | how many steps of the stage have not succeeded (0: advance) |
+| `open_in_stage` | | how many steps of the stage have not succeeded (0: advance), how many are parked |
 | `create_stage` | run at stage n-1 | stage n's steps pending, the run pointed at n |
 | `claim_next` | run at stage n-1 | stage n's single step inserted running for this process |
 | `finish_run` | run live | succeeded, with its result (the one place a run succeeds in a transaction) |
@@ -123,9 +123,14 @@ LOCK_RUN = text(
     """
 )
 
-# A statement of its own, after the run lock: its snapshot sees every committed sibling.
+# A statement of its own, after the run lock: its snapshot sees every committed sibling. It also
+# counts the open steps that are parked, over the same rows: when all of them are, the committing
+# step was the last one running and the run is `waiting` now (`chain.advance`).
 OPEN_IN_STAGE = text(
-    "SELECT count(*) FROM engine.step WHERE run_id = :id AND stage = :stage AND status <> 'succeeded'"
+    """
+    SELECT count(*), count(*) FILTER (WHERE status = 'waiting') FROM engine.step
+     WHERE run_id = :id AND stage = :stage AND status <> 'succeeded'
+    """
 )
 
 # A stage's step rows and the run pointer in one statement (a data-modifying CTE always runs, so
@@ -377,9 +382,19 @@ def lock_run(s: Session, run_id: uuid.UUID) -> LockedRun | None:
     return None if row is None else LockedRun.of(row)
 
 
-def open_in_stage(s: Session, run_id: uuid.UUID, stage: int) -> int:
-    """Steps of the stage not succeeded yet, seen after the run lock (0: the stage is complete)."""
-    return int(s.scalar(OPEN_IN_STAGE, {"id": run_id, "stage": stage}) or 0)
+class OpenSteps(NamedTuple):
+    """A stage's steps not succeeded yet (`open`, 0: the stage is complete), and how many of
+    those are parked (`parked`)."""
+
+    open: int
+    parked: int
+
+
+def open_in_stage(s: Session, run_id: uuid.UUID, stage: int) -> OpenSteps:
+    """Steps of the stage not succeeded yet, and the parked ones among them, seen after the run
+    lock."""
+    row = s.execute(OPEN_IN_STAGE, {"id": run_id, "stage": stage}).one()
+    return OpenSteps(int(row[0]), int(row[1]))
 
 
 def create_stage(

@@ -19,6 +19,7 @@ Each function runs the statement named like it in capitals (`park`: `PARK`).
 | `signal_since`, `reached` | | a signal stored since a time, a timer due |
 | `park` | step running (fenced by its token) | waiting (topic, timer), or pending if a signal raced it |
 | `run_waiting` (`LOCK_RUN`, `RUN_WAITING`) | run running, no step running or pending | waiting |
+| `run_waiting_locked` (`RUN_WAITING`) | the same, the run row locked by the caller | waiting |
 | `wake_topic` | steps waiting on the topic | pending, published (runs: at their claim) |
 | `wake_due_timers` | steps waiting past `wait_until` | pending, published (runs: at their claim) |
 """
@@ -205,4 +206,9 @@ def run_waiting(s: Session, run_id: uuid.UUID) -> bool:
     """The run shows `waiting` if none of its steps runs or is pending; False: it does not.
     Locks the run row first (`LOCK_RUN`), so parks of sibling steps see each other."""
     s.execute(LOCK_RUN, {"run": run_id})
+    return run_waiting_locked(s, run_id)
+
+
+def run_waiting_locked(s: Session, run_id: uuid.UUID) -> bool:
+    """`run_waiting` for a caller that holds the run row's lock already (`chain.advance`)."""
     return changed(s.execute(RUN_WAITING, {"run": run_id})) > 0
