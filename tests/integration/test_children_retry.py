@@ -111,7 +111,7 @@ def test_a_retried_parent_whose_child_an_operator_canceled_still_fails(inproc) -
     ref = inproc.enqueue("fanfix_parent", {"key": key}, idempotency_key=new_key())
     parent = ref.task_run_id
     wait_for(lambda: len(_children(parent)) == 3, 20, what="three children")
-    first = _children(parent)[0][0]
+    first = next(cid for cid, k, _ in _children(parent) if k == f"child:{parent}:each:0")
     runs.cancel(first, "operator stopped it")  # type: ignore[arg-type]
     wait_for(lambda: _status(parent) == "failed", 40, what="the parent to fail through that child")
 
