@@ -9,6 +9,7 @@ before (the first request's release removed the torrent the other still used).
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -65,6 +66,17 @@ def wait_run(procs, kind: str, task_id: uuid.UUID, timeout: float = 90) -> None:
         for name in procs.procs:
             print(f"--- {name}\n" + procs.log(name)[-4000:])
     assert run_status(kind, task_id) == "succeeded", what
+
+
+def seconds_to_seeding_goal(task_id: uuid.UUID) -> float:
+    """Seconds until the request's seeding goal, on the database's clock (as the goal is set)."""
+    return float(
+        scalar(
+            "SELECT extract(epoch FROM CAST(payload->>'seed_until' AS timestamptz) - now()) "
+            "FROM outbox.outbox_event WHERE kind = 'retire_seed' AND idempotency_key = %s",
+            (f"retire_seed:{task_id}",),
+        )
+    )
 
 
 def op_result(op_key: str) -> Any:
@@ -150,12 +162,17 @@ def test_the_seeding_goal_of_one_request_keeps_the_torrent_the_other_still_seeds
     """A is imported and its seeding goal set; B, approved then, shares A's complete torrent and
     is imported too. A's seeding goal comes first: it keeps the torrent B still seeds; B's,
     later, removes it."""
-    start(procs, swarm, SEED_TIME_S="8")
+    start(procs, swarm, SEED_TIME_S="14")
     a = request(swarm)
     b = request(swarm, approve=False)
     wait_for(lambda: run_status("retire_seed", a) is not None, 90, what="A imported, its seeding goal set")
+    # B is approved half a seeding time before A's goal: B holds the torrent well before A's goal
+    # comes, and B's own goal (a whole seeding time after B's import) comes well after it. Approved
+    # at once, B's goal came a second or two after A's, and a loaded machine ran both together.
+    time.sleep(max(0.0, seconds_to_seeding_goal(a) - 7))
     service.approve_and_signal(CeleryTaskEngine(), db.sessions(), b, "op")
     wait_add_done(b)
+    assert seconds_to_seeding_goal(a) > 0, "B's add came after A's seeding goal: too late for this test"
 
     wait_run(procs, "retire_seed", a)
     assert run_status("retire_seed", b) != "succeeded", "B's seeding goal came too soon for this test"
