@@ -20,7 +20,7 @@ from outbox import celery as outbox_celery
 from proj import db, logs
 from proj.engine import broker
 from proj.engine.errors import IdempotencyConflict
-from proj.engine.kind import on_register
+from proj.engine.kind import on_register, served_versions
 from proj.settings import Settings, get_settings
 from proj.transport import transport_for
 
@@ -187,10 +187,11 @@ def _child_init(**_: object) -> None:
     # Take this child's liveness lock and start its reaper now, not at its first claim: an idle
     # child is what recovers a dead sibling's step in about a second (`proj.engine.liveness`).
     # The same session says which version queues this worker consumes, so the sweeper re-sends
-    # lost messages to them (and not, forever, to a queue nobody reads).
+    # lost messages to them (and not, forever, to a queue nobody reads); `consume_from` is what
+    # `-Q` selected (None: every declared queue).
     from proj.engine.liveness import LIVENESS
 
-    LIVENESS.serve(consumed_versions())
+    LIVENESS.serve(served_versions(get_settings().engine_serve, app.amqp.queues.consume_from))
 
 
 @signals.worker_ready.connect
@@ -204,17 +205,7 @@ def _pool_ready(sender: object = None, **_: object) -> None:
         return
     from proj.engine.liveness import LIVENESS
 
-    LIVENESS.serve(consumed_versions())
-
-
-def consumed_versions() -> list[tuple[str, int]]:
-    """The (kind, version) queues this worker consumes: the served kinds (`ENGINE_SERVE`), less
-    any queue a `-Q` list leaves out."""
-    from proj.engine.kind import served_kinds
-
-    selected = app.amqp.queues.consume_from  # set by `-Q`; empty or None: every declared queue
-    kinds = served_kinds(get_settings().engine_serve)
-    return [(k.name, k.version) for k in kinds if not selected or k.queue in selected]
+    LIVENESS.serve(served_versions(get_settings().engine_serve, app.amqp.queues.consume_from))
 
 
 @signals.worker_process_shutdown.connect

@@ -92,13 +92,13 @@ class CeleryTaskEngine:
         check_pooling()
         self._stopping.clear()
         if "worker" in roles:
-            from proj.engine.kind import served_kinds
+            from proj.engine.kind import served_versions
             from proj.engine.liveness import LIVENESS
             from proj.settings import get_settings
 
             # This process' liveness lock and reaper, before its first claim, and the version
             # queues it consumes (the sweeper re-sends lost messages only to consumed queues).
-            LIVENESS.serve((k.name, k.version) for k in served_kinds(get_settings().engine_serve))
+            LIVENESS.serve(served_versions(get_settings().engine_serve))
             ready = threading.Event()
             # The remote-control (pidbox) consumer shares the worker thread's AMQP connection;
             # stopping it from another thread deadlocks py-amqp. Embedded workers do without it.

@@ -342,3 +342,10 @@ def served_kinds(spec: str = "") -> list[Kind]:
         versions = sorted((v for (n, v) in _REGISTRY if n == name), reverse=True)
         out.extend(_REGISTRY[(name, v)] for v in versions[:2])
     return out
+
+
+def served_versions(spec: str = "", consumed: Iterable[str] | None = None) -> list[tuple[str, int]]:
+    """The (kind, version) queues this worker consumes, for `liveness.LIVENESS.serve`: the
+    served kinds, less any queue a `consumed` list (Celery's `-Q`) leaves out."""
+    selected = set(consumed or ())
+    return [(k.name, k.version) for k in served_kinds(spec) if not selected or k.queue in selected]
