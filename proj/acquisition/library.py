@@ -57,9 +57,32 @@ def check_space(root: Path, needed: int) -> None:
         raise LibraryFull(root, needed, free)
 
 
+NAME_MAX = 255  # bytes in one file name (Linux filesystems, and most others)
+TOKEN_CHARS = 32  # an attempt token's hex, the end of every temp name
+
+
+def _temp_stem(name: str) -> str:
+    """`.<name>`, the start of `name`'s temp file names, short enough for `.part-<token>` to fit.
+
+    Why: a file name of up to 255 bytes is legal (84 Japanese characters reach 253) and
+    qBittorrent downloads it, but `.<name>.part-<token>` adds 39 bytes: every copy attempt
+    failed with ENAMETOOLONG. A long name keeps its start, cut on a character boundary, plus a
+    digest of the whole name, so two long names sharing a start keep apart
+    (`tests/integration/test_library_review.py::test_a_file_name_near_name_max_can_be_copied`).
+    """
+    raw = os.fsencode(name)
+    suffix = len(".part-") + TOKEN_CHARS
+    if 1 + len(raw) + suffix <= NAME_MAX:
+        return f".{name}"
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    budget = NAME_MAX - suffix - len(".~") - len(digest)
+    head = raw[:budget].decode("utf-8", "ignore")  # a split character is dropped, never half-kept
+    return f".{head}~{digest}"
+
+
 def temp_path(dst: Path, token: str) -> Path:
     """One temp name per attempt: a stale attempt never writes into the live one's file."""
-    return dst.with_name(f".{dst.name}.part-{token}")
+    return dst.with_name(f"{_temp_stem(dst.name)}.part-{token}")
 
 
 def temp_files(dst: Path, keep: Collection[Path] = ()) -> list[Path]:
@@ -72,7 +95,8 @@ def temp_files(dst: Path, keep: Collection[Path] = ()) -> list[Path]:
     if not dst.parent.exists():
         return []
     kept = set(keep)
-    return sorted(p for p in dst.parent.glob(f".{glob.escape(dst.name)}.part-*") if p not in kept)
+    pattern = f"{glob.escape(_temp_stem(dst.name))}.part-*"
+    return sorted(p for p in dst.parent.glob(pattern) if p not in kept)
 
 
 def _fsync_dir(path: Path) -> None:
