@@ -14,7 +14,8 @@ import pytest
 import proj.celery  # noqa: F401 - registers every kind
 from proj.acquisition import library
 from proj.engine import runs
-from tests.support.services import scalar
+from tests.integration.test_relocate_overlap import REL, library_item, wait_ended
+from tests.support.services import scalar, sql
 
 
 def sha256(path: Path) -> str:
@@ -80,3 +81,49 @@ def test_a_long_name_is_not_cut_inside_a_character(tmp_path: Path) -> None:
         t.name.encode("utf-8")  # no lone surrogate from a split character
     ta.write_bytes(b"x")
     assert library.temp_files(a) == [ta] and library.temp_files(b) == []
+
+
+# ------------------------------------------------------------------ verify_library, root gone
+
+
+def stash_root(root: Path, how: str) -> Path:
+    """The disk under `root` goes away as an operator sees it happen: the mount point itself
+    is gone (`missing`), or it stays as the empty directory it is without its disk (`unmounted`)."""
+    away = root.with_name(root.name + "-away")
+    root.rename(away)
+    if how == "unmounted":
+        root.mkdir()
+    return away
+
+
+@pytest.mark.parametrize("how", ["missing", "unmounted"])
+def test_verify_library_with_its_disk_gone_flags_the_root_not_every_file(
+    procs, tmp_path: Path, how: str
+) -> None:
+    """A library on a NAS whose mount dropped: every file is missing at once. Before: each
+    item was marked corrupt and a re-import of every request queued, copying the whole library
+    again into the bare mount point (on the system disk). Now the root is flagged unavailable,
+    its items keep their status and nothing is re-imported; a root that is there is checked."""
+    nas, local = tmp_path / "nas", tmp_path / "local"
+    gone = [library_item(nas)[0] for _ in range(2)]
+    kept, kept_task, _ = library_item(local)
+    flip_bytes(local / str(kept_task) / REL)  # a real corruption on a disk that is there
+    away = stash_root(nas, how)
+    env = {"LIBRARY_ROOT": str(local)}
+    procs.worker("w1", concurrency=1, env=env)
+    procs.beat(env=env)
+
+    run_id = enqueue_periodic("verify_library", 11)
+    assert wait_ended(procs, run_id) == "succeeded"
+
+    statuses = dict(sql("SELECT id, status FROM acq.library_item"))
+    assert [statuses[i] for i in gone] == ["ok", "ok"], statuses
+    assert statuses[kept] == "corrupt"
+    reimports = sql("SELECT idempotency_key FROM outbox.outbox_event WHERE kind = 'import'")
+    assert reimports == [(f"reimport:{kept_task}:11",)]
+    assert sql("SELECT kind, subject FROM acq.flag ORDER BY kind") == [
+        ("corrupt_file", str(kept)),
+        ("library_root_unavailable", str(nas)),
+    ]
+    assert how == "missing" or not any(nas.iterdir()), "nothing was written into the bare mount point"
+    assert away.exists()
