@@ -93,7 +93,7 @@ def copy(ctx: StepContext) -> dict[str, Any]:
             att.check()
 
         library.remove_temp_files(dst, keep=_files_of_task(item, Path(ctx.input.new_root)))
-        return library.copy_file(
+        copied = library.copy_file(
             src,
             dst,
             att.token.hex,
@@ -101,6 +101,8 @@ def copy(ctx: StepContext) -> dict[str, Any]:
             progress=lambda d, t: ctx.report_progress(d, t, "relocating") if d == t else None,
             chunk=get_settings().copy_chunk_bytes,
         )
+        _refuse_rotten(item, dst, copied)
+        return copied
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
         if dst.exists() and dst.stat().st_size == item.size and library.sha256_file(dst) == item.sha256:
@@ -112,6 +114,25 @@ def copy(ctx: StepContext) -> dict[str, Any]:
     # (the old `relocate:<item>:B` result names a file that the move back to A deleted).
     result = effect(ctx, f"relocate:{item.id}:{ctx.run_id}", plan, do, reconcile, effect_kind="file")
     return {**result, "from_root": item.root}
+
+
+def _refuse_rotten(item: LibraryItem, dst: Path, copied: dict[str, Any]) -> None:
+    """The bytes copied must be the ones the item was recorded with, else remove the copy and fail.
+
+    Why: a rotten original (same size, other bytes) was copied, the row switched to the copy
+    and the original deleted, so the library claimed a digest its only copy no longer had. The
+    original stays for `verify_library` to flag and re-import
+    (`tests/integration/test_library_review.py::
+    test_relocate_refuses_a_copy_whose_bytes_are_not_the_recorded_ones`).
+    """
+    if copied["sha256"] == item.sha256:
+        return
+    dst.unlink(missing_ok=True)
+    raise NonRetryable(
+        f"library item {item.id} at {item.root} does not hold the bytes it was recorded with "
+        f"(sha256 {copied['sha256']}, recorded {item.sha256}): not relocated; "
+        "verify_library flags it and re-imports it"
+    )
 
 
 def switch(ctx: StepContext) -> dict[str, Any]:

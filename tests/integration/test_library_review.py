@@ -14,7 +14,7 @@ import pytest
 import proj.celery  # noqa: F401 - registers every kind
 from proj.acquisition import library
 from proj.engine import runs
-from tests.integration.test_relocate_overlap import REL, library_item, wait_ended
+from tests.integration.test_relocate_overlap import REL, copies, library_item, relocate, wait_ended
 from tests.support.services import scalar, sql
 
 
@@ -127,3 +127,29 @@ def test_verify_library_with_its_disk_gone_flags_the_root_not_every_file(
     ]
     assert how == "missing" or not any(nas.iterdir()), "nothing was written into the bare mount point"
     assert away.exists()
+
+
+# -------------------------------------------------------------------- relocate of a rotten file
+
+
+def test_relocate_refuses_a_copy_whose_bytes_are_not_the_recorded_ones(procs, tmp_path: Path) -> None:
+    """The file to move has rotted (same size, other bytes). Before: relocate copied the rotten
+    bytes, switched the row to them and deleted the original, so the library claimed a digest
+    its only copy no longer had. Now the copy is checked against the item's recorded sha256: the
+    run fails naming the mismatch, the new root holds nothing and the row and file stay put
+    (for `verify_library` to flag and re-import)."""
+    a, b = tmp_path / "lib-a", tmp_path / "lib-b"
+    item_id, task_id, digest = library_item(a)
+    original = a / str(task_id) / REL
+    flip_bytes(original)
+    rotten = sha256(original)
+    procs.worker("w1", concurrency=1)
+    procs.beat()
+
+    run_id = relocate(item_id, b)
+    assert wait_ended(procs, run_id) == "failed"
+    error = str(scalar("SELECT last_error FROM engine.task_run WHERE id = %s", (run_id,)))
+    assert digest in error and rotten in error, error
+    assert scalar("SELECT root FROM acq.library_item WHERE id = %s", (item_id,)) == str(a)
+    assert sha256(original) == rotten, "the only copy stays"
+    assert copies(task_id, b) == []
