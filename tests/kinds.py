@@ -30,6 +30,8 @@ CREATE TABLE IF NOT EXISTS testkit.approval (
     key text PRIMARY KEY, approved boolean NOT NULL DEFAULT false);
 CREATE TABLE IF NOT EXISTS testkit.chunk (
     id bigserial PRIMARY KEY, run_id uuid NOT NULL, at timestamptz NOT NULL);
+CREATE TABLE IF NOT EXISTS testkit.deferred (
+    k text, CONSTRAINT deferred_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED);
 CREATE TABLE IF NOT EXISTS testkit.cancel_flag (
     run_id uuid PRIMARY KEY, at timestamptz NOT NULL);
 """
@@ -310,12 +312,23 @@ UPGR_V2 = register(
 
 class FinishInput(BaseModel):
     hold_in_finish_s: float = 0.0
+    # The business transaction fails at COMMIT (a deferred unique constraint) and the body
+    # swallows the error and returns, as a careless body might.
+    fail_at_commit_swallowed: bool = False
 
 
 def finishing(ctx: StepContext) -> dict[str, int]:
     """Business write and step result in one transaction (`ctx.finish`)."""
     record(ctx)
     result = {"pid": os.getpid()}
+    if ctx.input.fail_at_commit_swallowed:
+        try:
+            with ctx.finish(result) as s:
+                for _ in range(2):
+                    s.execute(text("INSERT INTO testkit.deferred (k) VALUES (:r)"), {"r": str(ctx.run_id)})
+        except Exception:  # noqa: BLE001 - the careless body under test
+            pass
+        return result
     with ctx.finish(result) as s:
         s.execute(
             text("INSERT INTO testkit.effect (run_id, step, pid) VALUES (:r, :s, :p)"),

@@ -285,12 +285,14 @@ def advance(
     counted = not (sole and stage == run.current_stage)
     if counted:
         left = store.open_in_stage(s, run_id, run.current_stage)
+        if left.open and run.cancel_requested_at is not None:
+            # The last running step of a canceling run just committed: its open siblings
+            # (pending, parked) are canceled with the run now, not at the next sweep
+            # (`tests/integration/test_step_path_review.py::
+            # test_a_cancel_asked_while_a_fan_out_item_runs_ends_the_run_at_that_items_commit`).
+            return Committed(finalize_cancel(s, run_id))
         if left.open:
-            if (
-                left.parked == left.open
-                and run.status == RunStatus.RUNNING
-                and run.cancel_requested_at is None
-            ):
+            if left.parked == left.open and run.status == RunStatus.RUNNING:
                 # The step just committed was the last one running: its siblings are parked (a
                 # fan-out of child runs), so the run is `waiting` until one of them is woken, as
                 # a park leaves it (`tests/integration/test_step_path_review.py::

@@ -55,15 +55,26 @@ def commit_success(
 class InBodyCommit:
     """The committer a step body's `StepContext.finish()` calls: the attempt's success joins the
     body's own transaction. What that commit hands back is kept here for the ladder, which owns
-    this object (`committed` None: the body did not call `finish`)."""
+    this object (`committed` None: no `finish` committed).
+
+    `committed` is set only once the body's transaction has committed (`landed`): taken before
+    its COMMIT, a COMMIT that failed and that the body swallowed left the ladder running the next
+    step on a claim that had rolled back (`tests/integration/test_step_path_review.py::
+    test_a_finish_whose_transaction_did_not_commit_is_not_taken_as_committed`)."""
 
     c: Claim
     kind: Kind
     carry: Carry | None = None
     committed: Committed | None = None
+    began: bool = False
+    _pending: Committed | None = None
 
     def commit(self, session: Session, result: Any) -> None:
-        self.committed = commit_success(self.c, self.kind, result, session, self.carry)
+        self.began = True
+        self._pending = commit_success(self.c, self.kind, result, session, self.carry)
+
+    def landed(self) -> None:
+        self.committed = self._pending
 
 
 def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> Committed:

@@ -56,6 +56,9 @@ class Committer(Protocol):
 
     def commit(self, session: Session, result: Any) -> None: ...
 
+    def landed(self) -> None:
+        """The transaction `commit` joined has committed."""
+
 
 @dataclass
 class PlanContext:
@@ -180,6 +183,7 @@ class StepContext(PlanContext):
             yield s
             s.flush()
             self.committer.commit(s, result)
+        self.committer.landed()
 
     def report_progress(self, done: float, total: float, message: str | None = None) -> None:
         """Live progress for operators (copy %, download %); best effort, never fenced."""

@@ -43,20 +43,26 @@ class Heartbeat:
 
     @contextmanager
     def track(self, step_id: int, token: uuid.UUID) -> Iterator[Lease]:
-        """Keep the lease alive while the body runs."""
-        lease = Lease(step_id, token)
+        """Keep the lease alive while the body runs.
+
+        A step claimed ahead of its turn (`track_many`) already has its record: the body gets
+        that one, with what the heartbeat learned while the step waited (a lease taken over, a
+        cancel asked). A fresh record dropped both, and the body ran on a lost lease
+        (`tests/integration/test_step_path_review.py::
+        test_a_claimed_step_whose_lease_was_taken_while_it_waited_its_turn_does_not_run`)."""
         self._ensure_thread()
         with self._lock:
             outer = self._leases.get(step_id)
+            inherited = outer is not None and outer.token == token
+            lease = outer if outer is not None and inherited else Lease(step_id, token)
             self._leases[step_id] = lease
         try:
             yield lease
         finally:
-            with self._lock:
-                if outer is not None and outer.token == token:
-                    self._leases[step_id] = outer  # still claimed: `track_many` keeps it alive
-                else:
-                    self._leases.pop(step_id, None)
+            if not inherited:  # an inherited record is `track_many`'s to drop
+                with self._lock:
+                    if self._leases.get(step_id) is lease:
+                        del self._leases[step_id]
 
     @contextmanager
     def track_many(self, held: list[tuple[int, uuid.UUID]]) -> Iterator[None]:

@@ -381,6 +381,7 @@ def _attempt(c: Claim, kind: Kind, carry: Carry | None = None) -> tuple[AttemptE
     with HEARTBEAT.track(c.step_id, c.token) as lease:
         ctx = _context(c, kind, lease, in_body if plain else None)
         try:
+            _not_stopped(c, lease)
             if sdef.wait is not None:
                 end = run_wait(c, ctx, kind, sdef.wait, carry)
             elif sdef.child is not None:
@@ -389,6 +390,8 @@ def _attempt(c: Claim, kind: Kind, carry: Carry | None = None) -> tuple[AttemptE
                 assert sdef.fn is not None
                 result = sdef.fn(ctx)
                 committed = in_body.committed
+                if committed is None and in_body.began:
+                    raise RuntimeError(f"step {c.step_id}: the body's finish() transaction did not commit")
                 if committed is None:
                     committed = commit_success(c, kind, result, carry=carry)
                 end = AttemptEnd.succeeded(committed)
@@ -405,3 +408,15 @@ def _attempt(c: Claim, kind: Kind, carry: Carry | None = None) -> tuple[AttemptE
             end = commit_or_refuse(commit_failure, c, policy, exc)
             error = exc
     return end, error
+
+
+def _not_stopped(c: Claim, lease: Lease) -> None:
+    """Raise before the body starts if, while the step waited its turn (claimed with a chunk or
+    by the commit before it), the heartbeat found its lease taken over or a cancel asked: the
+    body must not run on a lease another worker holds, nor start for a canceled run
+    (`tests/integration/test_step_path_review.py::
+    test_a_claimed_step_whose_run_was_canceled_while_it_waited_its_turn_does_not_run`)."""
+    if lease.lost.is_set():
+        raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease taken over before the body began")
+    if lease.cancel.is_set():
+        raise CancelRequested(f"run {c.run_id} was canceled before step {c.step_id} began")

@@ -117,3 +117,150 @@ def test_a_fan_out_item_that_succeeds_while_its_siblings_are_parked_leaves_the_r
         (ref.task_run_id,),
     ) == [(0, "waiting"), (1, "succeeded")]
     assert _run_status(ref.task_run_id) == "waiting"
+
+
+def test_a_cancel_asked_while_a_fan_out_item_runs_ends_the_run_at_that_items_commit(
+    published, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel asked while one item of a fan-out runs cannot end the run yet (a lease is live);
+    the item's commit is the moment it can. With a sibling still `pending` (its message not yet
+    delivered) the commit saw the stage open and returned, so the run stayed `running`, cancel
+    requested, until the sweeper's next pass finished it. Now the commit finishes the cancel:
+    the run is `canceled` and the pending sibling with it, with no sweep."""
+    from tests import kinds
+
+    ref = runs.enqueue("fanfirst", {"items": 2}, idempotency_key=new_key())
+    items = [
+        r[0]
+        for r in sql("SELECT id FROM engine.step WHERE run_id = %s ORDER BY item_index", (ref.task_run_id,))
+    ]
+    record = kinds.record
+
+    def cancel_then_record(ctx):  # the operator's cancel lands while the item's body runs
+        assert runs.cancel(ref.task_run_id, "changed my mind").landed
+        return record(ctx)
+
+    monkeypatch.setattr(kinds, "record", cancel_then_record)
+    protocol.execute(items[0], starts_run=True)
+
+    assert _run_status(ref.task_run_id) == "canceled"
+    assert sql(
+        "SELECT item_index, status FROM engine.step WHERE run_id = %s ORDER BY item_index",
+        (ref.task_run_id,),
+    ) == [(0, "succeeded"), (1, "canceled")]
+
+
+def _after_steps_running() -> list[tuple[int, object]]:
+    return [
+        (r[0], r[1])
+        for r in sql(
+            "SELECT id, run_id FROM engine.step WHERE name = 'after' AND status = 'running' ORDER BY id"
+        )
+    ]
+
+
+def _interfere_after_first_chain(monkeypatch: pytest.MonkeyPatch, interfere) -> list[int]:
+    """Run the chunk's first carried chain, then `interfere` with one of the claimed `after`
+    steps still waiting their turn, then let the heartbeat renew once (as its thread does)."""
+    from proj.engine.heartbeat import HEARTBEAT
+
+    chosen: list[int] = []
+    run_chain = protocol._run_chain
+
+    def first_then_interfere(c):
+        outcome = run_chain(c)
+        if not chosen:
+            waiting = [(i, r) for i, r in _after_steps_running() if i != c.step_id]
+            step_id, run_id = waiting[-1]
+            interfere(step_id, run_id)
+            chosen.append(step_id)
+            with HEARTBEAT._lock:
+                leases = list(HEARTBEAT._leases.values())
+            HEARTBEAT.renew(leases)
+        return outcome
+
+    monkeypatch.setattr(protocol, "_run_chain", first_then_interfere)
+    return chosen
+
+
+def test_a_claimed_step_whose_lease_was_taken_while_it_waited_its_turn_does_not_run(
+    procs,
+    wake_batch,  # noqa: F811
+    untraced,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next steps a chunk's commit claimed wait their turn, kept alive by the heartbeat
+    (`HEARTBEAT.track_many`), which also learns when one of those leases was taken over. Its
+    body's own `track` used to start a fresh lease record and drop that signal, so the body ran
+    on a lease another worker held; now it does not start (`lease_lost`, nothing written)."""
+    ids = woken_chunk(procs)
+
+    def take_over(step_id, _run_id):  # as a sweep and another worker's claim would
+        sql("UPDATE engine.step SET lease_token = gen_random_uuid() WHERE id = %s", (step_id,))
+
+    chosen = _interfere_after_first_chain(monkeypatch, take_over)
+    protocol.execute(
+        ids[0], more=ids[1:], starts_run=True, task=("gated.v1.approval", "gated.v1"), limited=False
+    )
+    assert len(chosen) == 1
+    run_of_chosen = scalar("SELECT run_id FROM engine.step WHERE id = %s", (chosen[0],))
+    assert (
+        scalar(
+            "SELECT count(*) FROM testkit.execution WHERE step = 'after' AND run_id = %s", (run_of_chosen,)
+        )
+        == 0
+    ), "the body of the step whose lease was taken did not run"
+    assert scalar("SELECT count(*) FROM testkit.execution WHERE step = 'after'") == 7
+    assert scalar("SELECT status FROM engine.step WHERE id = %s", (chosen[0],)) == "running"
+
+
+def test_a_claimed_step_whose_run_was_canceled_while_it_waited_its_turn_does_not_run(
+    procs,
+    wake_batch,  # noqa: F811
+    untraced,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, with a cancel asked of the run of a step waiting its turn: the heartbeat saw
+    it, and the step used to run its body all the same; now the run ends `canceled` without it."""
+    ids = woken_chunk(procs)
+
+    def cancel(_step_id, run_id):
+        assert runs.cancel(run_id, "no longer wanted").landed
+
+    chosen = _interfere_after_first_chain(monkeypatch, cancel)
+    protocol.execute(
+        ids[0], more=ids[1:], starts_run=True, task=("gated.v1.approval", "gated.v1"), limited=False
+    )
+    run_of_chosen = scalar("SELECT run_id FROM engine.step WHERE id = %s", (chosen[0],))
+    assert (
+        scalar(
+            "SELECT count(*) FROM testkit.execution WHERE step = 'after' AND run_id = %s", (run_of_chosen,)
+        )
+        == 0
+    ), "the canceled run's body did not run"
+    assert _run_status(run_of_chosen) == "canceled"
+    assert scalar("SELECT count(*) FROM engine.task_run WHERE status = 'succeeded'") == 7
+
+
+def test_a_finish_whose_transaction_did_not_commit_is_not_taken_as_committed(
+    published, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ctx.finish(result)` joins the step's success to the body's transaction. The ladder used
+    to take that success as committed once the statements ran, before the COMMIT: a COMMIT that
+    failed (here a deferred unique constraint), swallowed by the body, left the step `running`
+    while the ladder went on to run the next step on a claim that had rolled back with it. Now
+    the success counts only once its transaction committed, and a body that returns after a
+    `finish` that did not is a failed attempt (retried by its policy)."""
+    monkeypatch.setenv("INLINE_STEPS", "4")
+    get_settings.cache_clear()
+    ref = runs.enqueue("finisher", {"fail_at_commit_swallowed": True}, idempotency_key=new_key())
+
+    outcome = protocol.execute(first_step(ref.task_run_id), starts_run=True)
+
+    assert outcome == "retry"
+    after = "SELECT count(*) FROM testkit.execution WHERE run_id = %s AND step = 'after'"
+    assert scalar(after, (ref.task_run_id,)) == 0
+    assert sql("SELECT name, status, attempts FROM engine.step WHERE run_id = %s", (ref.task_run_id,)) == [
+        ("write", "pending", 1)
+    ]
+    assert scalar("SELECT count(*) FROM testkit.deferred WHERE k = %s", (str(ref.task_run_id),)) == 0
