@@ -61,9 +61,33 @@ def library_path(task_id: uuid.UUID, rel: str, root: Path | None = None) -> Path
     return inside(root, root / str(task_id) / rel)
 
 
-def torrent_library_paths(task_id: uuid.UUID, meta: torrents.TorrentMeta) -> set[Path]:
-    """Where every file of the torrent lands: none of them is ever a temp file to remove."""
-    return {library_path(task_id, library_rel(meta, f)) for f in meta.files}
+def recorded_root(task_id: uuid.UUID, rel: str) -> Path:
+    """The root a task's library file lies in: its row's (it may have been relocated), else the
+    library root (a file not recorded yet lands there).
+
+    Why: a re-import after corruption copied every file into the library root and pointed every
+    row there, undoing relocations and leaving the relocated (rotten) copy referenced by nothing
+    (`tests/integration/test_library_review.py::test_a_reimport_repairs_a_relocated_file_where_it_lies`).
+    """
+    with db.transaction() as s:
+        root = s.scalar(
+            text(
+                """
+                SELECT root FROM acq.library_item
+                 WHERE download_task_id = :task_id AND rel_path = :rel
+                """
+            ),
+            {"task_id": task_id, "rel": rel},
+        )
+    return Path(root) if root is not None else library_root()
+
+
+def torrent_library_paths(
+    task_id: uuid.UUID, meta: torrents.TorrentMeta, root: Path | None = None
+) -> set[Path]:
+    """Where every file of the torrent lands (under `root`, by default the library root): none
+    of them is ever a temp file to remove."""
+    return {library_path(task_id, library_rel(meta, f), root) for f in meta.files}
 
 
 def torrent_add(task_id: uuid.UUID) -> dict[str, Any] | None:

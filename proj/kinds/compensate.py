@@ -17,6 +17,7 @@ from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.kinds.common import (
     library_path,
     library_rel,
+    recorded_root,
     release_torrent,
     torrent_add,
     torrent_library_paths,
@@ -77,11 +78,12 @@ def clean_files(ctx: StepContext) -> dict[str, Any]:
     with db.transaction() as s:
         recorded = set(s.scalars(select(LibraryItem.rel_path).where(LibraryItem.download_task_id == task.id)))
     temps = removed = 0
-    files = torrent_library_paths(task.id, meta)  # a file named like a temp file is not one
     for f in meta.files:
         rel = library_rel(meta, f)
-        dst = library_path(task.id, rel)
-        temps += library.remove_temp_files(dst, keep=files)
+        root = recorded_root(task.id, rel)  # a canceled re-import wrote where the file lies
+        dst = library_path(task.id, rel, root)
+        # A file named like a temp file is not one.
+        temps += library.remove_temp_files(dst, keep=torrent_library_paths(task.id, meta, root))
         if rel not in recorded and dst.exists():
             dst.unlink()
             removed += 1

@@ -11,6 +11,7 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 import outbox
+from proj import db
 from proj.acquisition import library, service, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
@@ -23,6 +24,7 @@ from proj.kinds.common import (
     library_rel,
     library_root,
     load_task,
+    recorded_root,
     torrent_library_paths,
 )
 from proj.settings import get_settings
@@ -40,10 +42,7 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     meta = torrents.parse(task.torrent)
     torrents.verify_pieces(task.torrent, download_dir())
     # Before the first byte is copied: the files not yet in the library must fit.
-    missing = sum(
-        f.size for f in meta.files if not _already_copied(library_path(task.id, library_rel(meta, f)), f.size)
-    )
-    library.check_space(library_root(), missing)
+    library.check_space(library_root(), _missing_bytes(task, meta))
     result = {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
     with ctx.finish(result) as s:
         # A re-import repairs files (the task's story is done); a retry does not go back.
@@ -56,11 +55,33 @@ def _already_copied(dst: Path, size: int) -> bool:
     return dst.exists() and dst.stat().st_size == size
 
 
-def _paths(task: DownloadTask, meta: torrents.TorrentMeta, rel_path: str) -> tuple[Path, Path, str]:
-    """Source in the download folder, destination in the library, and the library-relative path."""
+def _missing_bytes(task: DownloadTask, meta: torrents.TorrentMeta) -> int:
+    """Bytes still to copy into the library root. A file relocated elsewhere is repaired in its
+    own root (`copy_one` checks the space there), so it does not count against this one."""
+    root = library_root()
+    with db.transaction() as s:
+        elsewhere = set(
+            s.scalars(
+                select(LibraryItem.rel_path).where(
+                    LibraryItem.download_task_id == task.id, LibraryItem.root != str(root)
+                )
+            )
+        )
+    return sum(
+        f.size
+        for f in meta.files
+        if (rel := library_rel(meta, f)) not in elsewhere
+        and not _already_copied(library_path(task.id, rel, root), f.size)
+    )
+
+
+def _paths(task: DownloadTask, meta: torrents.TorrentMeta, rel_path: str) -> tuple[Path, Path, str, Path]:
+    """Source in the download folder, destination in the library, the library-relative path and
+    the root the destination is in (a recorded file's own: it may have been relocated)."""
     f = next(f for f in meta.files if f.rel_path == rel_path)
     rel = library_rel(meta, f)
-    return torrents.source_path(meta, download_dir(), f), library_path(task.id, rel), rel
+    root = recorded_root(task.id, rel)
+    return torrents.source_path(meta, download_dir(), f), library_path(task.id, rel, root), rel, root
 
 
 def copy_one(ctx: StepContext) -> dict[str, Any]:
@@ -68,8 +89,8 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
     task = load_task(ctx)
     rel_path, size = ctx.item["rel_path"], int(ctx.item["size"])
     meta = torrents.parse(task.torrent)
-    src, dst, rel = _paths(task, meta, rel_path)
-    others = torrent_library_paths(task.id, meta)  # never taken for this file's temp files
+    src, dst, rel, root = _paths(task, meta, rel_path)
+    others = torrent_library_paths(task.id, meta, root)  # never taken for this file's temp files
     plan = {"src": str(src), "dst": str(dst), "size": size}
     last = [0.0]
 
@@ -109,18 +130,19 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
 
     key = f"copy:{task.id}:{ctx.input.generation}:{rel_path}"
     result = effect(ctx, key, plan, do, reconcile, effect_kind="file")
-    return {**result, "rel_path": rel}
+    return {**result, "rel_path": rel, "root": str(root)}
 
 
 def record(ctx: StepContext) -> dict[str, Any]:
     """Library rows, status and the next events commit together under this step's lease."""
     task = load_task(ctx)
     copies = ctx.result("copy")
-    root = str(library_root())
+    default_root = str(library_root())  # a copy recorded before copies named their root
     generation = ctx.input.generation
     result: dict[str, Any] = {"files": len(copies), **({"generation": generation} if generation else {})}
     with ctx.finish(result) as s:
         for c in copies:
+            root = c.get("root", default_root)
             s.execute(
                 pg_insert(LibraryItem)
                 .values(

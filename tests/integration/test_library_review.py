@@ -10,12 +10,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torf
 
 import proj.celery  # noqa: F401 - registers every kind
+from proj import db
 from proj.acquisition import library
+from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine import runs
 from tests.integration.test_relocate_overlap import REL, copies, library_item, relocate, wait_ended
-from tests.support.services import scalar, sql
+from tests.support.services import scalar, sql, wait_for
 
 
 def sha256(path: Path) -> str:
@@ -153,3 +156,81 @@ def test_relocate_refuses_a_copy_whose_bytes_are_not_the_recorded_ones(procs, tm
     assert scalar("SELECT root FROM acq.library_item WHERE id = %s", (item_id,)) == str(a)
     assert sha256(original) == rotten, "the only copy stays"
     assert copies(task_id, b) == []
+
+
+# ------------------------------------------------------------ re-import of a relocated item
+
+
+def make_torrent(downloads: Path, name: str, files: dict[str, bytes]) -> torf.Torrent:
+    """A multi-file torrent of `files`, downloaded already into `downloads/<name>/`."""
+    folder = downloads / name
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    t = torf.Torrent(path=folder, piece_size=16384)
+    t.generate()
+    return t
+
+
+def imported_task(t: torf.Torrent, files: dict[str, bytes], roots: dict[str, Path]) -> uuid.UUID:
+    """A notified request whose file `rel` lies in the library under `roots[rel]`."""
+    task_id = uuid.uuid4()
+    with db.sessions().begin() as s:
+        s.add(
+            DownloadTask(
+                id=task_id,
+                requester="olga",
+                title=t.name,
+                infohash=t.infohash.lower(),
+                torrent=t.dump(),
+                files=[{"rel_path": rel, "size": len(data)} for rel, data in files.items()],
+                total_size=sum(len(d) for d in files.values()),
+                status="notified",
+            )
+        )
+        s.flush()
+        for rel, data in files.items():
+            path = roots[rel] / str(task_id) / t.name / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            digest = hashlib.sha256(data).hexdigest()
+            lib_rel = f"{t.name}/{rel}"
+            s.add(
+                LibraryItem(
+                    download_task_id=task_id,
+                    rel_path=lib_rel,
+                    root=str(roots[rel]),
+                    size=len(data),
+                    sha256=digest,
+                )
+            )
+    return task_id
+
+
+def test_a_reimport_repairs_a_relocated_file_where_it_lies(procs, tmp_path: Path) -> None:
+    """`b.bin` was relocated to another disk and rots there; `verify_library` queues a re-import.
+    Before: the re-import copied every file into the default root and pointed every row there,
+    so the relocation was undone behind the operator's back and the rotten copy on the other
+    disk stayed, referenced by nothing. Now a recorded file is repaired in its own root."""
+    downloads, default, other = tmp_path / "downloads", tmp_path / "lib", tmp_path / "lib-other"
+    files = {"a.bin": os.urandom(200_000), "b.bin": os.urandom(300_000)}
+    t = make_torrent(downloads, "Show", files)
+    task_id = imported_task(t, files, {"a.bin": default, "b.bin": other})
+    moved = other / str(task_id) / "Show" / "b.bin"
+    flip_bytes(moved)
+    env = {"LIBRARY_ROOT": str(default), "DOWNLOAD_DIR": str(downloads)}
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+
+    enqueue_periodic("verify_library", 5)
+    key = f"reimport:{task_id}:5"
+    wait_for(lambda: run_status(key) in ("succeeded", "failed"), 60, what="the re-import")
+    assert run_status(key) == "succeeded", scalar(
+        "SELECT last_error FROM engine.task_run WHERE idempotency_key = %s", (key,)
+    )
+
+    rows = dict(sql("SELECT rel_path, root FROM acq.library_item WHERE download_task_id = %s", (task_id,)))
+    assert rows == {"Show/a.bin": str(default), "Show/b.bin": str(other)}
+    assert sha256(moved) == hashlib.sha256(files["b.bin"]).hexdigest()
+    assert not (default / str(task_id) / "Show" / "b.bin").exists(), "a second copy in the default root"
+    assert scalar("SELECT count(*) FROM acq.library_item WHERE status <> 'ok'") == 0
