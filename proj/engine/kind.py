@@ -336,12 +336,24 @@ def served_kinds(spec: str = "") -> list[Kind]:
         wanted: Iterable[tuple[str, int]] = (
             (part.split("@")[0].strip(), int(part.split("@")[1])) for part in spec.split(",") if part.strip()
         )
-        return [get_kind(n, v) for n, v in wanted]
+        return [_served(n, v) for n, v in wanted]
     out: list[Kind] = []
     for name in sorted(kind_names()):
         versions = sorted((v for (n, v) in _REGISTRY if n == name), reverse=True)
         out.extend(_REGISTRY[(name, v)] for v in versions[:2])
     return out
+
+
+def _served(name: str, version: int) -> Kind:
+    """One `ENGINE_SERVE` entry's kind. Why the message: the bare `unknown kind nosuch@1` named
+    neither the setting nor what it may name
+    (`tests/integration/test_operator_review.py::test_an_engine_serve_naming_no_kind_says_which_exist`)."""
+    try:
+        return get_kind(name, version)
+    except UnknownKind:
+        known = ", ".join(f"{k.name}@{k.version}" for k in all_kinds())
+        served = f"{name}@{version}"
+        raise UnknownKind(f"ENGINE_SERVE names {served}, which no loaded kind is; known: {known}") from None
 
 
 def served_versions(spec: str = "", consumed: Iterable[str] | None = None) -> list[tuple[str, int]]:

@@ -178,3 +178,20 @@ def test_cancel_of_a_run_refuses_an_empty_reason_as_a_request_does(published) ->
     assert done.returncode == 0, (done.stdout, done.stderr)
     reason = scalar("SELECT cancel_reason FROM engine.task_run WHERE id = %s", (ref.task_run_id,))
     assert reason == "wrong film (by alice)", reason
+
+
+def test_an_engine_serve_naming_no_kind_says_which_exist() -> None:
+    """`ENGINE_SERVE=nosuch@1` (a typo, or a version not yet deployed) stopped the worker on
+    `unknown kind nosuch@1`, naming neither the setting nor the versions it could name. Now the
+    worker's error names ENGINE_SERVE and lists the loaded kinds."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENGINE_SERVE": "nosuch@1"}
+    worker = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "warning", "-n", "noserve@%h"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert worker.returncode != 0, worker.stdout + worker.stderr
+    assert "ENGINE_SERVE names nosuch@1" in worker.stderr, worker.stderr
+    assert "acquire@1" in worker.stderr.split("known:")[-1], worker.stderr
