@@ -107,6 +107,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path) -> None:
+    """`mkdir -p path`, each folder it creates fsynced into its parent.
+
+    Why: a file's rename is made durable by fsyncing its folder, but a folder created for it
+    (`<task id>/<torrent name>/...`) is only an entry in its own parent: after a power cut it
+    could be gone, the file with it, while the ledger said copied. A folder a concurrent copy
+    created is fsynced too: that copy may not have got there yet
+    (`tests/integration/test_library_review.py::test_a_copy_into_new_folders_makes_each_new_folder_durable`).
+    """
+    missing: list[Path] = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # a sibling file's copy made it first
+            folder.mkdir()
+        _fsync_dir(folder.parent)
+
+
 def copy_file(
     src: Path,
     dst: Path,
@@ -118,7 +137,8 @@ def copy_file(
 ) -> dict[str, object]:
     """Copy `src` to `dst` durably. `checkpoint()` runs before each chunk and may raise to stop.
 
-    The destination appears only complete (rename after fsync); an interrupted copy leaves a
+    The destination appears only complete (rename after fsync, of the file, of its folder and of
+    every folder created for it); an interrupted copy leaves a
     `.part-<token>` file that compensation or the next attempt removes. The sha256 is of the
     bytes written: each chunk is read once into one of two reusable buffers, then written from
     it while a helper thread hashes the same buffer (hashlib and file I/O release the GIL), so
@@ -128,7 +148,7 @@ def copy_file(
     final fsync has little left to wait for and the copy recycles a few chunks' worth of page
     cache instead of filling it with the whole file; durability still rests on that fsync.
     """
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(dst.parent)
     tmp = temp_path(dst, token)
     total = src.stat().st_size
     h = hashlib.sha256()

@@ -234,3 +234,31 @@ def test_a_reimport_repairs_a_relocated_file_where_it_lies(procs, tmp_path: Path
     assert sha256(moved) == hashlib.sha256(files["b.bin"]).hexdigest()
     assert not (default / str(task_id) / "Show" / "b.bin").exists(), "a second copy in the default root"
     assert scalar("SELECT count(*) FROM acq.library_item WHERE status <> 'ok'") == 0
+
+
+# ------------------------------------------------------------------ durable new directories
+
+
+def test_a_copy_into_new_folders_makes_each_new_folder_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`copy_file` creates `<task id>/<torrent name>/<sub>/` and renames the file into the last.
+    Before: only that last folder was fsynced, so after a power cut the folders created above it
+    (their entries in their parents) could be gone with the file, while the ledger said copied.
+    Now each folder it creates is fsynced into its parent before the copy returns. The real
+    fsync still runs: `_fsync_dir` is only watched."""
+    root = tmp_path / "lib"
+    root.mkdir()
+    dst = root / "task" / "Show" / "sub" / "a.bin"
+    src = tmp_path / "a.bin"
+    src.write_bytes(os.urandom(70_000))
+    synced: list[Path] = []
+    real = library._fsync_dir
+
+    def watch(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(library, "_fsync_dir", watch)
+    library.copy_file(src, dst, "d" * 32)
+    assert set(synced) >= {root, root / "task", root / "task" / "Show", dst.parent}, synced
