@@ -37,6 +37,28 @@ class TorrentMeta:
     multi_file: bool = False
 
 
+NAME_MAX = 255  # bytes in one file or folder name (Linux filesystems, and most others)
+# Bytes of a file's path below its task's library folder: PATH_MAX (4096) less room for the
+# library root (or download folder) and the task's folder.
+MAX_REL_PATH = 3072
+
+
+def fits_filesystem(path: str) -> str:
+    """Refuse a path the library cannot hold: a name over NAME_MAX or a path over MAX_REL_PATH.
+
+    Why: such a torrent was accepted, downloaded in full, and then every import attempt failed
+    (the name cannot be written; qBittorrent itself shortens or refuses it) until the request
+    was a dead letter. Refused here, at every door, before anything is stored
+    (`tests/integration/test_library_review.py::test_a_name_the_library_cannot_hold_is_refused_at_the_door`).
+    """
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_REL_PATH:
+        raise BadTorrent(f"path too long for the library (over {MAX_REL_PATH} bytes): {path[:80]!r}…")
+    for seg in path.split("/"):
+        if len(seg.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            raise BadTorrent(f"file name too long for the library (over {NAME_MAX} bytes): {seg[:80]!r}…")
+    return path
+
+
 def safe_relative(path: str) -> str:
     """Reject absolute paths, `..` and `.` segments and empty names: nothing may leave the root.
 
@@ -94,6 +116,8 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
         raise BadTorrent("negative file size")
     if not files:
         raise BadTorrent("the torrent lists no files")
+    for f in files:
+        fits_filesystem(f"{name}/{f.rel_path}" if multi else name)
     paths = {f.rel_path for f in files}
     if len(paths) != len(files):
         raise BadTorrent("two files of the torrent have the same path")

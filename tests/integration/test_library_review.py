@@ -14,7 +14,7 @@ import torf
 
 import proj.celery  # noqa: F401 - registers every kind
 from proj import db
-from proj.acquisition import library
+from proj.acquisition import library, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine import runs
 from tests.integration.test_relocate_overlap import REL, copies, library_item, relocate, wait_ended
@@ -262,3 +262,54 @@ def test_a_copy_into_new_folders_makes_each_new_folder_durable(
     monkeypatch.setattr(library, "_fsync_dir", watch)
     library.copy_file(src, dst, "d" * 32)
     assert set(synced) >= {root, root / "task", root / "task" / "Show", dst.parent}, synced
+
+
+# ------------------------------------------------------------- names the filesystem cannot hold
+
+
+def bencode(x: object) -> bytes:
+    if isinstance(x, int):
+        return b"i%de" % x
+    if isinstance(x, str):
+        x = x.encode()
+    if isinstance(x, bytes):
+        return b"%d:%s" % (len(x), x)
+    if isinstance(x, list):
+        return b"l" + b"".join(bencode(i) for i in x) + b"e"
+    assert isinstance(x, dict)
+    return b"d" + b"".join(bencode(k) + bencode(v) for k, v in sorted(x.items())) + b"e"
+
+
+def raw_torrent(name: str, paths: list[list[str]] | None = None) -> bytes:
+    data = b"x" * 1000
+    info: dict[str, object] = {"name": name, "piece length": 16384, "pieces": hashlib.sha1(data).digest()}
+    if paths is None:
+        info["length"] = len(data)
+    else:
+        info["files"] = [{"length": len(data) // len(paths), "path": p} for p in paths]
+    return bencode({"announce": "http://tracker.invalid/announce", "info": info})
+
+
+@pytest.mark.parametrize(
+    "torrent",
+    [
+        raw_torrent("x" * 256 + ".mkv"),
+        raw_torrent("Show", [["ok.mkv"], ["é" * 128 + ".srt"]]),
+        raw_torrent("Show", [["d" * 200 + str(i) for i in range(25)] + ["e.mkv"]]),
+    ],
+    ids=["name", "file-segment", "whole-path"],
+)
+def test_a_name_the_library_cannot_hold_is_refused_at_the_door(torrent: bytes) -> None:
+    """A file name over NAME_MAX (255 bytes), or a path over PATH_MAX once under its task's
+    folder, cannot be created in the library. Before: such a torrent was accepted, downloaded in
+    full, and then every import attempt failed (the name cannot be written; qBittorrent itself
+    shortens or refuses it) until the request was a dead letter. Now `torrents.parse`, which
+    every door calls, refuses it with a clear `BadTorrent`."""
+    with pytest.raises(torrents.BadTorrent, match="too long"):
+        torrents.parse(torrent)
+
+
+def test_a_name_just_within_the_limits_is_accepted() -> None:
+    """The limit is not tighter than the filesystem's."""
+    meta = torrents.parse(raw_torrent("Show", [["ア" * 83 + ".mkv"], ["ok.srt"]]))
+    assert len(meta.files) == 2
