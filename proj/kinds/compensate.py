@@ -40,12 +40,25 @@ def _task(ctx: StepContext) -> DownloadTask | None:
         return s.get(DownloadTask, uuid.UUID(str(task_id)))
 
 
+def is_repair(ctx: StepContext) -> bool:
+    """Whether the run given up is a re-import (`verify_library` found corruption): the repair of
+    a request already delivered, whose torrent, files and status are not the repair's to undo.
+
+    Why: giving up a repair (abandoned, or canceled) marked the delivered request `canceled`
+    and would remove its still-seeding torrent with its data
+    (`tests/integration/test_library_review.py::test_giving_up_a_reimport_leaves_the_delivered_request_alone`).
+    """
+    return ctx.input.kind == "import" and bool(ctx.input.input.get("generation"))
+
+
 def remove_torrent(ctx: StepContext) -> dict[str, Any]:
     """Pause-and-remove with its partial data, unless another request still holds the torrent
     (`common.release_torrent`); reconcile: the infohash is gone (else decide again)."""
     task = _task(ctx)
     if task is None:
         return {"skipped": True}
+    if is_repair(ctx):
+        return {"skipped": True, "reason": "a re-import's: the request was delivered"}
     infohash = task.infohash
     add = torrent_add(task.id)  # the ledger knows every add we attempted
     if add is None:
@@ -94,6 +107,8 @@ def mark_compensated(ctx: StepContext) -> dict[str, Any]:
     task = _task(ctx)
     if task is None:
         return {"skipped": True}
+    if is_repair(ctx):
+        return _repair_given_up(ctx, task)
     result = {"status": "canceled"}
     # The event and the step's result commit together: a worker killed between two commits
     # would run the step again and write the event twice
@@ -106,6 +121,15 @@ def mark_compensated(ctx: StepContext) -> dict[str, Any]:
             .values(status=service.RequestStatus.CANCELED, updated_at=func.now())
         )
         service.event(s, task.id, "compensated", run_id=str(ctx.input.run_id), kind=ctx.input.kind)
+    return result
+
+
+def _repair_given_up(ctx: StepContext, task: DownloadTask) -> dict[str, Any]:
+    """The request keeps its status; its timeline says the repair was given up (`is_repair`)."""
+    result = {"status": task.status, "repair": "given up"}
+    with ctx.finish(result) as s:
+        generation = ctx.input.input.get("generation")
+        service.event(s, task.id, "re-import given up", run_id=str(ctx.input.run_id), generation=generation)
     return result
 
 

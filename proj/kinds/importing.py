@@ -4,11 +4,13 @@ file) → record library items and queue `notify` and `retire_seed`."""
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
 
 import outbox
 from proj import db
@@ -187,6 +189,15 @@ def record(ctx: StepContext) -> dict[str, Any]:
     return result
 
 
+def on_cancel(s: Session, run_id: uuid.UUID, inp: ImportInput) -> None:
+    """A first import's cancel is the request's (`service.mark_cancel_requested`); a re-import's
+    is only the repair's: the delivered request is not flagged `canceling`
+    (`tests/integration/test_library_review.py::test_giving_up_a_reimport_leaves_the_delivered_request_alone`).
+    """
+    if not inp.generation:
+        service.mark_cancel_requested(s, run_id, inp)
+
+
 IMPORT = register(
     Kind(
         name="import",
@@ -198,7 +209,7 @@ IMPORT = register(
             fan_out("copy", copy_one, over=lambda ctx: ctx.result("verify")["files"]),
             step("record", record),
         ),
-        on_cancel=service.mark_cancel_requested,
+        on_cancel=on_cancel,
         compensation="compensate",
         description="verify pieces → copy each file (fan-out) → record library items",
     )

@@ -313,3 +313,52 @@ def test_a_name_just_within_the_limits_is_accepted() -> None:
     """The limit is not tighter than the filesystem's."""
     meta = torrents.parse(raw_torrent("Show", [["ア" * 83 + ".mkv"], ["ok.srt"]]))
     assert len(meta.files) == 2
+
+
+# -------------------------------------------------- giving up a repair is not canceling a request
+
+
+def events_of(task_id: uuid.UUID) -> list[str]:
+    return [
+        r[0]
+        for r in sql("SELECT what FROM acq.task_event WHERE download_task_id = %s ORDER BY id", (task_id,))
+    ]
+
+
+@pytest.mark.parametrize("how", ["abandon", "cancel"])
+def test_giving_up_a_reimport_leaves_the_delivered_request_alone(procs, tmp_path: Path, how: str) -> None:
+    """A re-import (after `verify_library` found corruption) is a repair of a request already
+    delivered. Before: canceling it flagged the request itself (`canceling`), and its
+    compensation, as for abandoning it, marked the delivered request `canceled` (and would
+    remove a still-seeding torrent with its data). Now the request keeps its status and its
+    files; the timeline says the repair was given up."""
+    downloads, default = tmp_path / "downloads", tmp_path / "lib"
+    files = {"a.bin": os.urandom(50_000)}
+    t = make_torrent(downloads, "Show", files)
+    task_id = imported_task(t, files, {"a.bin": default})
+    library_file = default / str(task_id) / "Show" / "a.bin"
+    (downloads / "Show" / "a.bin").unlink()  # the download was cleaned up after seeding
+    env = {"LIBRARY_ROOT": str(default), "DOWNLOAD_DIR": str(downloads)}
+    key = f"reimport:{task_id}:9"
+    run_id = runs.enqueue(
+        "import", {"download_task_id": str(task_id), "generation": 9}, idempotency_key=key
+    ).task_run_id
+    if how == "abandon":
+        procs.worker("w1", concurrency=1, env=env)
+        procs.beat(env=env)
+        assert wait_ended(procs, run_id) == "failed"
+        assert runs.abandon(run_id, "the download is gone")
+    else:
+        runs.cancel(run_id, "not now")
+        procs.worker("w1", concurrency=1, env=env)
+        procs.beat(env=env)
+    comp = f"compensate:{run_id}"
+    wait_for(lambda: run_status(comp) in ("succeeded", "failed"), 60, what="the compensation")
+    assert run_status(comp) == "succeeded"
+
+    assert scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)) == "notified"
+    assert scalar("SELECT cancel_requested_at FROM acq.download_task WHERE id = %s", (task_id,)) is None
+    assert sha256(library_file) == hashlib.sha256(files["a.bin"]).hexdigest()
+    assert scalar("SELECT status FROM acq.library_item WHERE download_task_id = %s", (task_id,)) == "ok"
+    assert "re-import given up" in events_of(task_id)
+    assert "compensated" not in events_of(task_id) and "cancel requested" not in events_of(task_id)
