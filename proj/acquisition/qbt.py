@@ -33,6 +33,18 @@ def client() -> qbittorrentapi.Client:
     return c
 
 
+def unreachable(exc: BaseException) -> bool:
+    """qBittorrent did not answer: refused, timed out, reset, or a 5xx (down, restarting, busy).
+
+    Not a refused login (`LoginFailed`) nor another 4xx: those are answers, and waiting does not
+    change them. Why: a download wait must outlive a qBittorrent restart
+    (`tests/integration/test_qbt_review.py::test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks`).
+    """
+    return isinstance(exc, qbittorrentapi.APIConnectionError) and not isinstance(
+        exc, qbittorrentapi.LoginFailed | qbittorrentapi.HTTP4XXError
+    )
+
+
 def find(infohash: str) -> Any | None:
     """The torrent with this infohash, or None."""
     found = client().torrents_info(torrent_hashes=infohash)

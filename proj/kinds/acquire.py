@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import uuid
 from typing import Any
 
 from sqlalchemy import select, update
@@ -10,7 +11,7 @@ from sqlalchemy import select, update
 import outbox
 from proj import db
 from proj.acquisition import qbt, service
-from proj.acquisition.models import Approval, DownloadTask
+from proj.acquisition.models import Approval, DownloadTask, TaskEvent
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, RetryPolicy, register, step, wait_for
@@ -91,9 +92,24 @@ def resolve_peer(peer: str) -> str:
         return peer  # qBittorrent says what it makes of it
 
 
+UNREACHABLE = "qBittorrent unreachable"
+
+
 def downloaded(ctx: StepContext) -> dict[str, Any] | None:
-    """qBittorrent is the truth about the download; the on-finish hook only wakes us."""
+    """qBittorrent is the truth about the download; the on-finish hook only wakes us. When it
+    does not answer, the wait parks again (`note_unreachable`)."""
     task = load_task(ctx)
+    try:
+        return look_at_download(ctx, task)
+    except Exception as exc:
+        if not qbt.unreachable(exc):
+            raise
+        note_unreachable(task.id, exc)
+        return None
+
+
+def look_at_download(ctx: StepContext, task: DownloadTask) -> dict[str, Any] | None:
+    """Record the progress; the download's place once complete, else nudge it (resume, peers)."""
     t = qbt.find(task.infohash)
     if t is None:
         raise RuntimeError(f"torrent {task.infohash} disappeared from qBittorrent")
@@ -106,6 +122,27 @@ def downloaded(ctx: StepContext) -> dict[str, Any] | None:
         introduce_peers(task.infohash)
         return None
     return {"infohash": task.infohash, "save_path": t.save_path}
+
+
+def note_unreachable(task_id: uuid.UUID, exc: BaseException) -> None:
+    """qBittorrent did not answer a download re-check: the wait parks again (its timer, the
+    on-finish hook or `reconcile_downloads` look again) and the request's timeline says why
+    it does not move, once per outage.
+
+    Why: a re-check that raised spent the network retry policy (1 s … 8 s) in ~15 s, so a
+    qBittorrent restarting or down for maintenance turned every downloading request into a dead
+    letter (`tests/integration/test_qbt_review.py::
+    test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks`).
+    """
+    with db.transaction() as s:
+        last = s.scalar(
+            select(TaskEvent.what)
+            .where(TaskEvent.download_task_id == task_id)
+            .order_by(TaskEvent.id.desc())
+            .limit(1)
+        )
+        if last != UNREACHABLE:
+            service.event(s, task_id, UNREACHABLE, error=str(exc)[:300])
 
 
 def queue_import(ctx: StepContext) -> dict[str, str]:

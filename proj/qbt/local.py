@@ -491,6 +491,17 @@ class LocalQbittorrent:
             self._out.close()
             self._out = None
 
+    def restart(self, *, kill: bool = False, down_s: float = 0.0, timeout: float = 30) -> None:
+        """Stop (SIGTERM, or SIGKILL with `kill`), stay down `down_s` seconds, start again on
+        the same ports and profile: what an operator's restart or a crash looks like to clients."""
+        if kill and self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+        self.stop()
+        time.sleep(down_s)
+        self._fixed_webui_port, self._fixed_listen_port = self._webui_port, self._listen_port
+        self.start(timeout)
+
     def cleanup(self) -> None:
         """Stop and, if the profile dir was created here, delete it."""
         self.stop()

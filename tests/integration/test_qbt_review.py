@@ -1,0 +1,112 @@
+"""A real, misbehaving qBittorrent: restarted, moved files, broken torrents, wrong credentials.
+
+Every test drives the managed `qbittorrent-nox` of the fixtures into the state an operator meets
+(stopped, a torrent moved to another folder, a torrent in `error`), and reads qBittorrent, the
+business tables and the engine, never only what a step returned.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from proj import db
+from proj.acquisition import service
+from proj.engine import runs
+from proj.engine.celery_engine import CeleryTaskEngine
+from tests.acq_fixtures import *  # noqa: F403
+from tests.acq_fixtures import Swarm
+from tests.qbt_fixtures import *  # noqa: F403
+from tests.qbt_fixtures import sha256_tree
+from tests.support.services import dump_engine_state, scalar, sql, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def start(swarm: Swarm) -> uuid.UUID:
+    """A request for the swarm's payload, approved."""
+    with db.sessions().begin() as s:
+        task_id = service.request_download(s, requester="bob", torrent=swarm.payload.torrent)
+    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
+    return task_id
+
+
+def status(task_id: uuid.UUID) -> str:
+    return str(scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)))
+
+
+def acquire_status() -> str | None:
+    return scalar("SELECT status FROM engine.task_run WHERE kind = 'acquire'")
+
+
+def events(task_id: uuid.UUID) -> list[str]:
+    rows = sql("SELECT what FROM acq.task_event WHERE download_task_id = %s ORDER BY id", (task_id,))
+    return [w for (w,) in rows]
+
+
+def imported(procs, swarm: Swarm, task_id: uuid.UUID, timeout: float = 60) -> None:
+    """The task reaches the library with the payload's bytes (or the test prints why not)."""
+
+    def done() -> bool:
+        failed = scalar("SELECT count(*) FROM engine.task_run WHERE status = 'failed'")
+        return status(task_id) in ("imported", "notified") or failed > 0
+
+    try:
+        wait_for(done, timeout, what="the import")
+        assert status(task_id) in ("imported", "notified"), "a run failed"
+    except AssertionError:
+        print(dump_engine_state())
+        for name in procs.procs:
+            print(f"--- {name}\n" + procs.log(name)[-3000:])
+        raise
+    got = sha256_tree(swarm.library / str(task_id) / swarm.payload.path.name)
+    assert got == swarm.payload.digests
+
+
+def hold_seeding(swarm: Swarm) -> None:
+    """The seeder stops uploading: the managed download stays incomplete until `release`."""
+    swarm.seeder.client().torrents_pause(torrent_hashes=swarm.payload.infohash)
+
+
+def release(swarm: Swarm) -> None:
+    swarm.seeder.client().torrents_resume(torrent_hashes=swarm.payload.infohash)
+
+
+def added(swarm: Swarm, task_id: uuid.UUID) -> None:
+    """The acquire run added the torrent and parks in its download wait."""
+    wait_for(lambda: status(task_id) == "downloading", 30, what="the torrent added")
+    wait_for(lambda: acquire_status() == "waiting", 30, what="the download wait to park")
+    assert swarm.managed.client().torrents_info(torrent_hashes=swarm.payload.infohash)
+
+
+# ------------------------------------------------------------------ qBittorrent restarted
+
+
+def test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks(procs, swarm: Swarm) -> None:
+    """qBittorrent stopped (an upgrade, a container restart) while a request downloads: the
+    download wait's re-checks find it unreachable. Before: each re-check raised, the network
+    retry policy (1 s, 2 s, 4 s, 8 s) ran out in ~15 s and the request was a dead letter that
+    only an operator could revive. Now the wait parks again, says so on the request's timeline,
+    and the download finishes once qBittorrent is back."""
+    hold_seeding(swarm)
+    env = swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="2")
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    task_id = start(swarm)
+    added(swarm, task_id)
+
+    swarm.managed.stop()
+    topic = service.download_topic(swarm.payload.infohash)
+    deadline = time.monotonic() + 22  # the whole network retry budget, and then some
+    while time.monotonic() < deadline:
+        runs.signal(topic)  # the hook or reconcile waking it meanwhile
+        assert acquire_status() != "failed", dump_engine_state()
+        time.sleep(1.0)
+    assert "qBittorrent unreachable" in events(task_id)
+    assert status(task_id) == "downloading"
+
+    swarm.managed.restart()
+    release(swarm)
+    imported(procs, swarm, task_id)
