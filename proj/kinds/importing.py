@@ -45,12 +45,44 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     torrents.verify_pieces(task.torrent, download_dir())
     # Before the first byte is copied: the files not yet in the library must fit.
     library.check_space(library_root(), _missing_bytes(task, meta))
-    result = {"name": meta.name, "files": [{"rel_path": f.rel_path, "size": f.size} for f in meta.files]}
+    files = [
+        {"rel_path": f.rel_path, "size": f.size, "mtime_ns": _source_stamp(meta, f)[1]} for f in meta.files
+    ]
+    result = {"name": meta.name, "files": files}
     with ctx.finish(result) as s:
         # A re-import repairs files (the task's story is done); a retry does not go back.
         if ctx.input.generation or service.advance_status(s, task.id, "importing"):
             service.event(s, task.id, "verified", files=len(meta.files), bytes=meta.total_size)
     return result
+
+
+def _source_stamp(meta: torrents.TorrentMeta, f: torrents.TorrentFile) -> tuple[int, int]:
+    """A downloaded file's (size, mtime_ns): what the piece check saw, to tell whether it moved."""
+    st = torrents.source_path(meta, download_dir(), f).stat()
+    return st.st_size, st.st_mtime_ns
+
+
+class SourceChanged(RuntimeError):
+    """The downloaded file changed while it was copied: the copy is removed and retried."""
+
+
+def _still_verified(task: DownloadTask, meta: torrents.TorrentMeta, src: Path, item: dict[str, Any]) -> None:
+    """Before a copy: a source whose size or mtime moved since the piece check is checked again
+    (`BadTorrent` if its pieces no longer match), so bytes nobody verified never become the
+    library's recorded sha256.
+
+    Why: a copy retried after the operator fixed its cause (or simply run later) copied whatever
+    the download folder then held, a file a tagger had rewritten or the disk had rotted, and its
+    digest became the truth `verify_library` checks against
+    (`tests/integration/test_library_review.py::
+    test_a_copy_retried_after_its_source_changed_does_not_record_the_new_bytes`).
+    """
+    seen = item.get("mtime_ns")
+    if seen is None:  # verified by a version that did not note it
+        return
+    st = src.stat()
+    if (st.st_size, st.st_mtime_ns) != (int(item["size"]), int(seen)):
+        torrents.verify_pieces(task.torrent, download_dir())
 
 
 def _already_copied(dst: Path, size: int) -> bool:
@@ -111,10 +143,12 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             ctx.checkpoint()
             att.check()
 
+        _still_verified(task, meta, src, ctx.item)
+        before = src.stat()
         # Earlier attempts' leftovers (this attempt is current), never another file of the torrent.
         library.remove_temp_files(dst, keep=others)
         library.check_space(dst.parent, size)  # clear reason now, rather than ENOSPC halfway
-        return library.copy_file(
+        copied = library.copy_file(
             src,
             dst,
             att.token.hex,
@@ -122,6 +156,11 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             progress=progress,
             chunk=get_settings().copy_chunk_bytes,
         )
+        after = src.stat()
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            dst.unlink(missing_ok=True)  # the next attempt checks the pieces again
+            raise SourceChanged(f"{src} changed while it was copied")
+        return copied
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
         if dst.exists() and dst.stat().st_size == size:

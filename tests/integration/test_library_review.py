@@ -17,6 +17,7 @@ from proj import db
 from proj.acquisition import library, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine import runs
+from tests.conftest import new_key
 from tests.integration.test_relocate_overlap import REL, copies, library_item, relocate, wait_ended
 from tests.support.services import scalar, sql, wait_for
 
@@ -362,3 +363,51 @@ def test_giving_up_a_reimport_leaves_the_delivered_request_alone(procs, tmp_path
     assert scalar("SELECT status FROM acq.library_item WHERE download_task_id = %s", (task_id,)) == "ok"
     assert "re-import given up" in events_of(task_id)
     assert "compensated" not in events_of(task_id) and "cancel requested" not in events_of(task_id)
+
+
+# -------------------------------------------- a retried copy after its source changed on disk
+
+
+def test_a_copy_retried_after_its_source_changed_does_not_record_the_new_bytes(procs, tmp_path: Path) -> None:
+    """The copy fails (its folder is blocked), the operator fixes that and retries the run from
+    the failed step, but meanwhile the downloaded file changed (a tagger rewrote it, or the
+    disk rotted). Before: the retried copy took the new bytes as they were, their sha256 became
+    the library's truth, and `verify_library` would never see a difference. Now a source whose
+    size or mtime moved since the piece check is checked again: the retry fails naming the
+    mismatch and nothing reaches the library."""
+    downloads, default = tmp_path / "downloads", tmp_path / "lib"
+    files = {"a.bin": os.urandom(200_000)}
+    t = make_torrent(downloads, "Show", files)
+    task_id = uuid.uuid4()
+    with db.sessions().begin() as s:
+        s.add(
+            DownloadTask(
+                id=task_id,
+                requester="olga",
+                title="Show",
+                infohash=t.infohash.lower(),
+                torrent=t.dump(),
+                files=[{"rel_path": "a.bin", "size": 200_000}],
+                total_size=200_000,
+                status="downloading",
+            )
+        )
+    default.mkdir()
+    blocker = default / str(task_id)
+    blocker.write_bytes(b"not a folder")  # the copy cannot make its folder
+    env = {"LIBRARY_ROOT": str(default), "DOWNLOAD_DIR": str(downloads)}
+    procs.worker("w1", concurrency=1, env=env)
+    procs.beat(env=env)
+    run_id = runs.enqueue("import", {"download_task_id": str(task_id)}, idempotency_key=new_key()).task_run_id
+    assert wait_ended(procs, run_id) == "failed"
+
+    source = downloads / "Show" / "a.bin"
+    flip_bytes(source, at=150_000)
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 1_000_000))
+    blocker.unlink()
+    assert runs.retry_failed(run_id)
+    assert wait_ended(procs, run_id) == "failed"
+    error = str(scalar("SELECT last_error FROM engine.task_run WHERE id = %s", (run_id,)))
+    assert "does not match" in error, error
+    assert scalar("SELECT count(*) FROM acq.library_item WHERE download_task_id = %s", (task_id,)) == 0
+    assert not (default / str(task_id) / "Show" / "a.bin").exists()
