@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from typing import Any
@@ -14,6 +15,7 @@ from proj.acquisition import qbt, service
 from proj.acquisition.models import Approval, DownloadTask, TaskEvent
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, register, step, wait_for
 from proj.kinds.common import TaskInput, download_dir, load_task, torrent_decision
 from proj.settings import get_settings
@@ -116,12 +118,45 @@ def look_at_download(ctx: StepContext, task: DownloadTask) -> dict[str, Any] | N
     with db.transaction() as s:
         s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(progress=float(t.progress)))
     ctx.report_progress(float(t.progress) * task.total_size, task.total_size, "downloading")
+    if not in_download_dir(task, t):
+        return None
     if not qbt.is_complete(t):
         if t.state in ("pausedDL", "stoppedDL"):
             qbt.client().torrents_resume(torrent_hashes=task.infohash)
         introduce_peers(task.infohash)
         return None
     return {"infohash": task.infohash, "save_path": t.save_path}
+
+
+MOVED_BACK = "torrent moved back"
+
+
+def in_download_dir(task: DownloadTask, t: Any) -> bool:
+    """True when qBittorrent keeps the torrent in DOWNLOAD_DIR, where the import reads it.
+
+    A torrent of ours (tagged) that the operator moved ("Set location", a category's save path)
+    is moved back, and the wait looks again once qBittorrent has moved it (state `moving` until
+    then); one of the operator's own (adopted, untagged) is not ours to move, so the request
+    fails at once saying where it lies. Why: the download wait declared a moved torrent done and
+    the import failed with "payload does not match the torrent" though the payload was whole
+    (`tests/integration/test_qbt_review.py::
+    test_a_download_qbittorrent_moved_elsewhere_is_brought_back_before_the_import`).
+    """
+    if t.state == "moving":
+        return False
+    want = os.path.normpath(str(download_dir()))
+    if os.path.normpath(str(t.save_path)) == want:
+        return True
+    if not qbt.is_managed(t):
+        raise NonRetryable(
+            f"qBittorrent keeps torrent {task.infohash} in {t.save_path}, not in DOWNLOAD_DIR {want} "
+            "where the import reads it, and it is not tagged "
+            f"{qbt.MANAGED_TAG}: move it there in qBittorrent, then retry"
+        )
+    qbt.client().torrents_set_location(location=want, torrent_hashes=task.infohash)
+    with db.transaction() as s:
+        service.event(s, task.id, MOVED_BACK, came_from=str(t.save_path), to=want)
+    return False
 
 
 def note_unreachable(task_id: uuid.UUID, exc: BaseException) -> None:

@@ -110,3 +110,63 @@ def test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks(proc
     swarm.managed.restart()
     release(swarm)
     imported(procs, swarm, task_id)
+
+
+# ------------------------------------------------------------------ files moved by qBittorrent
+
+
+def test_a_download_qbittorrent_moved_elsewhere_is_brought_back_before_the_import(
+    procs, swarm: Swarm, tmp_path
+) -> None:
+    """The operator moves a managed torrent (qBittorrent's "Set location", or a category whose
+    save path differs) while it downloads. Before: the download wait declared it done wherever it
+    lay, and the import, which reads DOWNLOAD_DIR, failed with "payload does not match the
+    torrent" though the payload was whole. Now the wait moves the torrent back into DOWNLOAD_DIR
+    (it is ours: tagged) and declares it done only there."""
+    hold_seeding(swarm)
+    env = swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="2")
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    task_id = start(swarm)
+    added(swarm, task_id)
+    elsewhere = tmp_path / "movies"
+    elsewhere.mkdir()
+    client = swarm.managed.client()
+    client.torrents_set_location(location=str(elsewhere), torrent_hashes=swarm.payload.infohash)
+    wait_for(
+        lambda: (
+            client.torrents_info(torrent_hashes=swarm.payload.infohash)[0].save_path.rstrip("/")
+            == str(elsewhere)
+        ),
+        30,
+        what="qBittorrent to move the torrent",
+    )
+    release(swarm)
+    imported(procs, swarm, task_id)
+    assert client.torrents_info(torrent_hashes=swarm.payload.infohash)[0].save_path.rstrip("/") == str(
+        swarm.downloads
+    )
+    assert "torrent moved back" in events(task_id)
+
+
+def test_an_adopted_torrent_kept_outside_the_download_dir_fails_saying_where_it_lies(
+    procs, swarm: Swarm, tmp_path
+) -> None:
+    """The operator already had the torrent, in their own folder, when the request came: the add
+    adopts it (untagged: not ours to move). Before: the download wait declared it done and the
+    import failed three times with "payload does not match the torrent". Now the acquire run
+    fails at once, naming where qBittorrent keeps it and DOWNLOAD_DIR, and nothing is imported."""
+    from proj.qbt.local import add_torrent
+
+    elsewhere = tmp_path / "movies"
+    p = swarm.payload
+    add_torrent(swarm.managed.client(), p.torrent, p.infohash, save_path=elsewhere)
+    procs.worker("w1", concurrency=2, env=swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="2"))
+    procs.beat(env=swarm.worker_env())
+    start(swarm)
+    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    error = str(scalar("SELECT last_error FROM engine.task_run WHERE kind = 'acquire'"))
+    assert acquire_status() == "failed", dump_engine_state()
+    assert str(elsewhere) in error and str(swarm.downloads) in error, error
+    assert scalar("SELECT count(*) FROM engine.task_run WHERE kind = 'import'") == 0
+    assert swarm.managed.client().torrents_info()[0].save_path.rstrip("/") == str(elsewhere)
