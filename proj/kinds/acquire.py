@@ -8,11 +8,12 @@ import uuid
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 import outbox
 from proj import db
 from proj.acquisition import qbt, service
-from proj.acquisition.models import Approval, DownloadTask, TaskEvent
+from proj.acquisition.models import Approval, DownloadTask, Flag, TaskEvent
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.errors import NonRetryable
@@ -120,12 +121,51 @@ def look_at_download(ctx: StepContext, task: DownloadTask) -> dict[str, Any] | N
     ctx.report_progress(float(t.progress) * task.total_size, task.total_size, "downloading")
     if not in_download_dir(task, t):
         return None
+    if t.state in STUCK_STATES:
+        unstick(task, t)
+        return None
     if not qbt.is_complete(t):
         if t.state in ("pausedDL", "stoppedDL"):
             qbt.client().torrents_resume(torrent_hashes=task.infohash)
         introduce_peers(task.infohash)
         return None
     return {"infohash": task.infohash, "save_path": t.save_path}
+
+
+# States qBittorrent never leaves by itself: it could not read or write the files (full disk,
+# lost mount, permissions), or they vanished from disk.
+STUCK_STATES = {"error": "resume", "missingFiles": "recheck"}
+STUCK = "torrent in error"
+
+
+def unstick(task: DownloadTask, t: Any) -> None:
+    """Flag the request (`torrent_error`, on its timeline) and, for a torrent of ours, retry:
+    resume one in `error`, recheck one whose files are missing (it downloads them again).
+
+    Why: such a torrent stayed so for ever while its request showed `downloading` with no flag
+    nor event, and even once the cause was gone nobody resumed it
+    (`tests/integration/test_qbt_review.py::
+    test_a_torrent_in_error_is_flagged_on_the_request_and_resumed_once_the_cause_is_gone`).
+    An operator's own torrent (adopted, untagged) is flagged but left as it is.
+    """
+    with db.transaction() as s:
+        flagged = s.execute(
+            pg_insert(Flag)
+            .values(
+                kind="torrent_error",
+                subject=str(task.id),
+                detail={"infohash": task.infohash, "state": t.state, "save_path": str(t.save_path)},
+            )
+            .on_conflict_do_nothing()
+        )
+        if flagged.rowcount:
+            service.event(s, task.id, STUCK, state=t.state)
+    if not qbt.is_managed(t):
+        return
+    if STUCK_STATES[t.state] == "recheck":
+        qbt.client().torrents_recheck(torrent_hashes=task.infohash)
+    else:
+        qbt.client().torrents_resume(torrent_hashes=task.infohash)
 
 
 MOVED_BACK = "torrent moved back"

@@ -170,3 +170,36 @@ def test_an_adopted_torrent_kept_outside_the_download_dir_fails_saying_where_it_
     assert str(elsewhere) in error and str(swarm.downloads) in error, error
     assert scalar("SELECT count(*) FROM engine.task_run WHERE kind = 'import'") == 0
     assert swarm.managed.client().torrents_info()[0].save_path.rstrip("/") == str(elsewhere)
+
+
+# ------------------------------------------------------------------ a torrent stuck in `error`
+
+
+def test_a_torrent_in_error_is_flagged_on_the_request_and_resumed_once_the_cause_is_gone(
+    procs, swarm: Swarm
+) -> None:
+    """qBittorrent cannot write the download (here a file stands where its folder goes; in life a
+    full disk, a lost mount, permissions): the torrent goes to `error`, which qBittorrent never
+    leaves by itself. Before: the request stayed `downloading` with no flag and no event, and
+    stayed stuck after the cause was removed, until someone resumed it in qBittorrent's UI. Now
+    the re-check flags the request (`torrent_error`, on its timeline) and resumes the torrent,
+    so it finishes once the cause is gone."""
+    obstacle = swarm.downloads / swarm.payload.path.name
+    obstacle.write_bytes(b"not a folder")
+    env = swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="2")
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    task_id = start(swarm)
+    client = swarm.managed.client()
+    wait_for(
+        lambda: [t.state for t in client.torrents_info(torrent_hashes=swarm.payload.infohash)] == ["error"],
+        30,
+        what="qBittorrent to put the torrent in error",
+    )
+    flagged = "SELECT detail->>'state' FROM acq.flag WHERE kind = 'torrent_error' AND subject = %s"
+    wait_for(lambda: scalar(flagged, (str(task_id),)) == "error", 15, what="the request flagged")
+    assert "torrent in error" in events(task_id)
+    assert status(task_id) == "downloading"
+
+    obstacle.unlink()
+    imported(procs, swarm, task_id)
