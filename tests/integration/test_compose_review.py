@@ -5,21 +5,30 @@ around it does not.
 - `proj migrate` started by several containers at once (the `migrate` service beside a
   `docker compose run migrate`, or one replica per host): one migrates, the others wait and
   find the schema at head; none fails halfway (it used to: duplicate types and columns).
+- the README's commands as written: the secrets in `.env`, so that `docker compose exec admin
+  proj requests` (and logs, ps, down) run at all; no secret on a process' command line (Flower's
+  `--basic-auth` was, for every local user's `ps`); an upgrade (a rebuilt image with a new
+  migration, `docker compose up -d` again) migrates before the new app containers start.
 
 Docker that cannot run fails these tests with the reason (`tests/support/dockerkit.py`).
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from proj.engine.preflight import head_revision
+from proj.qbt.local import free_port
 from tests.support.dockerkit import images  # noqa: F401 - the session fixture
-from tests.support.services import wait_for
+from tests.support.services import ROOT, wait_for
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600), pytest.mark.usefixtures("images")]
 
@@ -74,3 +83,144 @@ def test_migrate_started_by_several_containers_at_once_migrates_once() -> None:
     finally:
         docker("rm", "-f", pg, *migrators, check=False)
         docker("network", "rm", net, check=False)
+
+
+SECRETS = ("ADMIN_PASSWORD", "API_TOKEN", "HOOK_TOKEN")
+APP_SERVICES = ("worker", "beat", "flower", "admin")
+SERVICES = ("postgres", "redis", "qbittorrent", *APP_SERVICES)
+
+
+def docker_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("\n## Docker\n", 1)[1].split("\n## ", 1)[0]
+
+
+def readme_env_file(where: Path) -> dict[str, str]:
+    """Run the README's Docker section's lines that write `.env`, as written, in `where`."""
+    block = docker_section().split("```sh\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    writes = [line for line in lines if "> .env" in line]
+    assert writes, f"the README's Docker section writes no .env:\n{block}"
+    subprocess.run(["bash", "-euc", "\n".join(writes)], cwd=where, check=True, capture_output=True)
+    values = dict(line.split("=", 1) for line in (where / ".env").read_text().splitlines() if "=" in line)
+    assert all(values.get(k) for k in SECRETS), values
+    return values
+
+
+@dataclass
+class Operator:
+    """An operator's shell in the checkout: the secrets in `.env` (here `--env-file`, the same
+    file compose reads beside compose.yaml), none in the environment."""
+
+    project: str
+    env_file: Path
+    secrets: dict[str, str]
+
+    def compose(self, *args: str, files: tuple[str, ...] = (), check: bool = True) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+        cmd = ["docker-compose", "--env-file", str(self.env_file), "-p", self.project]
+        for f in ("compose.yaml", "compose.ci.yaml", *files):
+            cmd += ["-f", f]
+        r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if check and r.returncode != 0:
+            out = f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+            raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{out}")
+        return r.stdout
+
+    def container(self, service: str) -> str:
+        return f"{self.project}_{service}_1"
+
+    def inspect(self, service: str, fmt: str) -> str:
+        return docker("inspect", "-f", fmt, self.container(service)).stdout.strip()
+
+    def wait_healthy(self) -> None:
+        def healthy() -> bool:
+            return all(self.inspect(s, "{{.State.Health.Status}}") == "healthy" for s in APP_SERVICES)
+
+        wait_for(healthy, 180, interval=1, what="worker, beat, flower and admin to be healthy")
+
+
+@pytest.fixture
+def operator(tmp_path: Path) -> Iterator[Operator]:
+    values = readme_env_file(tmp_path)
+    env_file = tmp_path / ".env"
+    with env_file.open("a") as f:  # this test's ports, beside whatever else listens here
+        f.write(f"ADMIN_PORT={free_port()}\nFLOWER_PORT={free_port()}\n")
+    op = Operator(f"projop{uuid.uuid4().hex[:8]}", env_file, {k: values[k] for k in SECRETS})
+    try:
+        op.compose("up", "-d", "--no-build")
+        yield op
+    except BaseException:
+        print(op.compose("logs", "--tail", "60", check=False))
+        raise
+    finally:
+        op.compose("down", "-v", "--remove-orphans", check=False)
+
+
+def upgraded_image(tmp_path: Path, tag: str) -> str:
+    """proj/app:ci with one more migration, as a rebuilt image after `git pull` would be."""
+    where = docker(
+        "run", "--rm", "proj/app:ci", "python", "-c",
+        "import migrations, os; print(os.path.dirname(migrations.__file__))",
+    ).stdout.strip()  # fmt: skip
+    ctx = tmp_path / "upgrade"
+    ctx.mkdir()
+    (ctx / "9999_upgrade_probe.py").write_text(
+        f'revision = "9999_upgrade_probe"\ndown_revision = "{head_revision()}"\n'
+        "branch_labels = depends_on = None\n\n\n"
+        "def upgrade() -> None:\n"
+        "    from alembic import op\n\n"
+        '    op.execute("SELECT pg_sleep(2)")  # long enough for a worker that did not wait to show\n'
+        '    op.execute("CREATE TABLE public.upgrade_probe (id int)")\n'
+    )
+    (ctx / "Dockerfile").write_text(
+        f"FROM proj/app:ci\nCOPY 9999_upgrade_probe.py {where}/versions/9999_upgrade_probe.py\n"
+    )
+    docker("build", "-q", "-t", tag, str(ctx))
+    return tag
+
+
+def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_an_upgrade(
+    operator: Operator, tmp_path: Path
+) -> None:
+    op = operator
+    # The README puts the secrets in `.env` (the fixture ran its lines): given only on `up`'s
+    # command line, every later `docker compose` command (exec, logs, ps, down) refuses to run.
+    assert "ADMIN_PASSWORD=… API_TOKEN=… HOOK_TOKEN=… docker" not in docker_section()
+    assert (
+        ".env" in (ROOT / ".gitignore").read_text().split()
+        and ".env" in (ROOT / ".dockerignore").read_text().split()
+    )
+    op.wait_healthy()
+    assert op.compose("exec", "-T", "admin", "proj", "requests").startswith("id\ttitle\trequester")
+
+    # No secret on any process' command line (`ps` shows it to every local user).
+    for svc in SERVICES:
+        top = docker("top", op.container(svc), "-eo", "pid,args").stdout
+        leaked = [k for k, v in op.secrets.items() if v in top]
+        assert not leaked, f"{svc} shows {leaked} on its command line:\n{top}"
+
+    # Upgrade: a rebuilt image with a new migration, `docker compose up -d` again: migrate runs
+    # it before any app container of the new image starts, and they come up healthy on it.
+    before = op.inspect("migrate", "{{.State.FinishedAt}}")
+    tag = upgraded_image(tmp_path, f"proj/app:upgrade-{op.project}")
+    override = tmp_path / "upgrade.yaml"
+    override.write_text(
+        "services:\n" + "".join(f'  {s}: {{image: "{tag}"}}\n' for s in ("migrate", *APP_SERVICES))
+    )
+    try:
+        op.compose("up", "-d", "--no-build", files=(str(override),))
+        op.wait_healthy()
+        migrated = op.inspect("migrate", "{{.State.FinishedAt}}")
+        assert migrated > before and op.inspect("migrate", "{{.State.ExitCode}}") == "0"
+        for svc in APP_SERVICES:
+            assert op.inspect(svc, "{{.Config.Image}}") == tag
+            assert op.inspect(svc, "{{.State.StartedAt}}") > migrated, f"{svc} started before migrate"
+        version = docker(
+            "exec", op.container("postgres"), "psql", "-U", "proj", "-d", "proj", "-Atc",
+            "TABLE alembic_version",
+        ).stdout.split()  # fmt: skip
+        assert version == ["9999_upgrade_probe"]
+    finally:
+        op.compose("down", "-v", "--remove-orphans", files=(str(override),), check=False)
+        docker("rmi", "-f", tag, check=False)
