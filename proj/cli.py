@@ -24,8 +24,21 @@ __all__ = ["cli", "error_line", "main", "migrate_to_head"]
 @cli.command()
 def migrate() -> None:
     """Apply database migrations (workers never migrate on start)."""
-    with console.status("migrating the database …"):
-        head = migrate_to_head()
+    from alembic.util.exc import CommandError
+
+    try:
+        with console.status("migrating the database …"):
+            head = migrate_to_head()
+    except CommandError as exc:
+        # The version table names a revision this code has no script for: a newer version
+        # migrated the database (a rollback to the previous image after an upgrade).
+        if "Can't locate revision" not in str(exc):
+            raise
+        errors.print(
+            f"[red]{escape(str(exc))}: the database was migrated by a newer version of proj; "
+            "run that version (its image), or restore the database from before the upgrade[/red]"
+        )
+        raise typer.Exit(1) from None
     console.print(f"[green]schema at {head}[/green]")
 
 

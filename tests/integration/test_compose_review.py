@@ -5,6 +5,8 @@ around it does not.
 - `proj migrate` started by several containers at once (the `migrate` service beside a
   `docker compose run migrate`, or one replica per host): one migrates, the others wait and
   find the schema at head; none fails halfway (it used to: duplicate types and columns).
+- `proj migrate` on a schema a newer version migrated (a rollback to the previous image) says
+  so, and what to do, instead of alembic's "Can't locate revision".
 - the README's commands as written: the secrets in `.env`, so that `docker compose exec admin
   proj requests` (and logs, ps, down) run at all; no secret on a process' command line (Flower's
   `--basic-auth` was, for every local user's `ps`); an upgrade (a rebuilt image with a new
@@ -40,23 +42,63 @@ def docker(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
     return r
 
 
-def test_migrate_started_by_several_containers_at_once_migrates_once() -> None:
-    tag = f"projrace{uuid.uuid4().hex[:8]}"
-    net, pg = tag, f"{tag}_pg"
-    migrators = [f"{tag}_m{i}" for i in range(4)]
+@dataclass
+class Postgres:
+    """A Postgres container of CI's image on a network of its own, for one-shot app containers."""
+
+    net: str
+    name: str
+
+    def url(self, db: str) -> str:
+        return f"postgresql://proj:pw@{self.name}:5432/{db}"
+
+    def psql(self, db: str, sql: str) -> str:
+        return docker("exec", self.name, "psql", "-U", "proj", "-d", db, "-Atc", sql).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
+    tag = f"projreview{uuid.uuid4().hex[:8]}"
+    pg = Postgres(tag, f"{tag}_pg")
     try:
-        docker("network", "create", net)
+        docker("network", "create", pg.net)
         docker(
-            "run", "-d", "--name", pg, "--network", net,
+            "run", "-d", "--name", pg.name, "--network", pg.net,
             "-e", "POSTGRES_USER=proj", "-e", "POSTGRES_PASSWORD=pw", "-e", "POSTGRES_DB=proj",
             "proj/postgres:ci",
         )  # fmt: skip
         wait_for(
-            lambda: docker("exec", pg, "pg_isready", "-q", "-h", "127.0.0.1", check=False).returncode == 0,
+            lambda: (
+                docker("exec", pg.name, "pg_isready", "-q", "-h", "127.0.0.1", check=False).returncode == 0
+            ),
             60,
             interval=0.3,
             what="postgres",
         )
+        yield pg
+    finally:
+        docker("rm", "-f", pg.name, check=False)
+        docker("network", "rm", pg.net, check=False)
+
+
+def one_shot(pg: Postgres, name: str, db: str, *command: str) -> tuple[str, str]:
+    """Run an app container to its end: (exit code, its output)."""
+    try:
+        docker(
+            "run", "--name", name, "--network", pg.net, "-e", f"DATABASE_URL={pg.url(db)}",
+            "proj/app:ci", *command, check=False, timeout=180,
+        )  # fmt: skip
+        code = docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip()
+        logs = docker("logs", name)
+        return code, logs.stdout + logs.stderr
+    finally:
+        docker("rm", "-f", name, check=False)
+
+
+def test_migrate_started_by_several_containers_at_once_migrates_once(postgres: Postgres) -> None:
+    pg = postgres
+    migrators = [f"{pg.net}_m{i}" for i in range(4)]
+    try:
         # Each imports `proj` first, then runs `proj migrate` at the same wall-clock instant.
         at = time.time() + 8
         barrier = (
@@ -65,8 +107,7 @@ def test_migrate_started_by_several_containers_at_once_migrates_once() -> None:
         )
         for name in migrators:
             docker(
-                "create", "--name", name, "--network", net,
-                "-e", f"DATABASE_URL=postgresql://proj:pw@{pg}:5432/proj",
+                "create", "--name", name, "--network", pg.net, "-e", f"DATABASE_URL={pg.url('proj')}",
                 "proj/app:ci", "python", "-c", barrier,
             )  # fmt: skip
         docker("start", *migrators)
@@ -78,11 +119,24 @@ def test_migrate_started_by_several_containers_at_once_migrates_once() -> None:
         head = head_revision()
         assert all(code == "0" for code, _ in outcomes.values()), outcomes
         assert all(last == [f"schema at {head}"] for _, last in outcomes.values()), outcomes
-        version = docker("exec", pg, "psql", "-U", "proj", "-d", "proj", "-Atc", "TABLE alembic_version")
-        assert version.stdout.split() == [head]
+        assert pg.psql("proj", "TABLE alembic_version") == head
     finally:
-        docker("rm", "-f", pg, *migrators, check=False)
-        docker("network", "rm", net, check=False)
+        docker("rm", "-f", *migrators, check=False)
+
+
+def test_migrate_on_a_schema_a_newer_version_migrated_says_so(postgres: Postgres) -> None:
+    """A rollback to the previous image after an upgrade that migrated: `migrate` (which the
+    stack waits for) used to end on alembic's "Can't locate revision identified by …"."""
+    pg = postgres
+    pg.psql("proj", "CREATE DATABASE rollback")
+    code, out = one_shot(pg, f"{pg.net}_up", "rollback", "proj", "migrate")
+    assert code == "0", out
+    pg.psql("rollback", "UPDATE alembic_version SET version_num = '9999_from_a_newer_version'")
+    code, out = one_shot(pg, f"{pg.net}_back", "rollback", "proj", "migrate")
+    assert code == "1", out
+    line = " ".join(out.split())
+    assert "9999_from_a_newer_version" in line and "newer version" in line, out
+    assert "restore" in line and "Traceback" not in out, out
 
 
 SECRETS = ("ADMIN_PASSWORD", "API_TOKEN", "HOOK_TOKEN")
