@@ -8,10 +8,43 @@ from typing import Any
 
 import qbittorrentapi
 
+from proj.engine.errors import NonRetryable
 from proj.settings import get_settings
 
 MANAGED_TAG = "proj-managed"
 _local = threading.local()
+
+
+class LoginRefused(NonRetryable):
+    """qBittorrent refused our login: retrying the same credentials cannot succeed."""
+
+
+class _Client(qbittorrentapi.Client):  # type: ignore[misc]
+    """qbittorrent-api's client, whose (re-)login fails the step at once and says why.
+
+    Why: qbittorrent-api's `LoginFailed` carries no message, so a wrong QBT_PASSWORD left a dead
+    letter with an empty error; and the step retried it (the network policy: five attempts),
+    five failed logins being qBittorrent's default ban threshold, so the worker's IP was banned
+    for an hour and the corrected password refused too
+    (`tests/integration/test_qbt_review.py::
+    test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the_host_banned`).
+    """
+
+    def auth_log_in(self, username: str | None = None, password: str | None = None, **kwargs: Any) -> None:
+        try:
+            super().auth_log_in(username, password, **kwargs)
+        except (qbittorrentapi.LoginFailed, qbittorrentapi.HTTP403Error) as exc:
+            raise LoginRefused(login_refusal(self.host, self.username, exc)) from exc
+
+
+def login_refusal(url: str, username: str, exc: BaseException) -> str:
+    """What to tell the operator about a refused login (never the password)."""
+    why = str(exc).strip() or "wrong username or password"
+    return (
+        f"qBittorrent at {url} refused the login of QBT_USERNAME {username!r}: {why}. "
+        "Check QBT_USERNAME and QBT_PASSWORD against its Web UI settings; after too many failed "
+        "logins qBittorrent bans this host for a while (Web UI: ban duration)"
+    )
 
 
 def client() -> qbittorrentapi.Client:
@@ -21,7 +54,7 @@ def client() -> qbittorrentapi.Client:
         s = get_settings()
         if not s.qbt_url:
             raise RuntimeError("QBT_URL is not set: point it at the managed qBittorrent Web UI")
-        c = qbittorrentapi.Client(
+        c = _Client(
             host=s.qbt_url,
             username=s.qbt_username or "",
             password=s.qbt_password.get_secret_value() if s.qbt_password else "",

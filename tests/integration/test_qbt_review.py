@@ -203,3 +203,40 @@ def test_a_torrent_in_error_is_flagged_on_the_request_and_resumed_once_the_cause
 
     obstacle.unlink()
     imported(procs, swarm, task_id)
+
+
+# ------------------------------------------------------------------ wrong credentials
+
+
+def test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the_host_banned(
+    procs, qbt_factory, qbt_payload, tmp_path
+) -> None:
+    """QBT_PASSWORD is wrong. Before: qbittorrent-api's `LoginFailed` carries no message, so the
+    dead letter said nothing useful, and the add step tried it five times (the network policy):
+    five failed logins, which is qBittorrent's default ban threshold, so the worker's IP was
+    banned for an hour and even the corrected password was refused. Now a refused login fails
+    the step at once (one failed login), naming the URL and QBT_USERNAME, never the password."""
+    managed = qbt_factory("auth", username="admin", password="right-secret", localhost_auth_bypass=False)
+    (tmp_path / "library").mkdir()
+    (tmp_path / "downloads").mkdir()
+    env = {
+        "QBT_URL": managed.webui_url,
+        "QBT_USERNAME": "admin",
+        "QBT_PASSWORD": "wrong-secret",
+        "LIBRARY_ROOT": str(tmp_path / "library"),
+        "DOWNLOAD_DIR": str(tmp_path / "downloads"),
+    }
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    with db.sessions().begin() as s:
+        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
+    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
+    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    assert acquire_status() == "failed"
+    attempts = scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'")
+    error = str(scalar("SELECT last_error FROM engine.task_run WHERE kind = 'acquire'"))
+    assert attempts == 1, dump_engine_state()
+    assert "QBT_USERNAME" in error and managed.webui_url in error, error
+    assert "secret" not in error and "secret" not in procs.log("w1")
+    # The operator's own login still works: the host was not banned.
+    assert managed.client().app_version()
