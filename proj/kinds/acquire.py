@@ -125,7 +125,9 @@ def look_at_download(ctx: StepContext, task: DownloadTask) -> dict[str, Any] | N
         unstick(task, t)
         return None
     if not qbt.is_complete(t):
-        if t.state in ("pausedDL", "stoppedDL"):
+        if t.state in ("pausedDL", "stoppedDL") and qbt.is_managed(t):
+            # Only ours: the operator's own (adopted) torrent was paused by them, and stays so
+            # (`test_qbt_review.py::test_the_download_wait_leaves_the_operators_own_paused_torrent_paused`).
             qbt.client().torrents_resume(torrent_hashes=task.infohash)
         introduce_peers(task.infohash)
         return None

@@ -240,3 +240,33 @@ def test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the
     assert "secret" not in error and "secret" not in procs.log("w1")
     # The operator's own login still works: the host was not banned.
     assert managed.client().app_version()
+
+
+# ------------------------------------------------------------------ the operator's pause
+
+
+def test_the_download_wait_leaves_the_operators_own_paused_torrent_paused(procs, swarm: Swarm) -> None:
+    """The operator's own torrent (untagged), paused by them, is requested: the add adopts it.
+    `reconcile_downloads` promises never to resume such a torrent (the operator paused it), but
+    before, every re-check of the download wait resumed it. Now only a torrent of ours (tagged)
+    is resumed; the operator's stays paused and the request waits for them."""
+    from proj.qbt.local import add_torrent
+
+    p = swarm.payload
+    client = swarm.managed.client()
+    add_torrent(client, p.torrent, p.infohash, save_path=swarm.downloads)
+    client.torrents_pause(torrent_hashes=p.infohash)
+    paused = ("pausedDL", "stoppedDL")
+    wait_for(lambda: client.torrents_info(torrent_hashes=p.infohash)[0].state in paused, 30, what="pause")
+    procs.worker("w1", concurrency=2, env=swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="1"))
+    procs.beat(env=swarm.worker_env())
+    task_id = start(swarm)
+    wait_for(lambda: status(task_id) == "downloading", 30, what="the torrent adopted")
+    checks = (
+        "SELECT count(*) FROM engine.step_attempt a JOIN engine.step s ON s.id = a.step_id"
+        " WHERE s.name = 'download'"
+    )
+    resumed = lambda: client.torrents_info(torrent_hashes=p.infohash)[0].state not in paused  # noqa: E731
+    wait_for(lambda: resumed() or scalar(checks) >= 4, 30, what="a few re-checks of the download")
+    assert client.torrents_info(torrent_hashes=p.infohash)[0].state in paused
+    assert status(task_id) == "downloading"
