@@ -7,6 +7,7 @@ around it does not.
   find the schema at head; none fails halfway (it used to: duplicate types and columns).
 - `proj migrate` on a schema a newer version migrated (a rollback to the previous image) says
   so, and what to do, instead of alembic's "Can't locate revision".
+- a POSTGRES_PASSWORD with characters a URL reserves (`@ : / # % ?`) reaches Postgres.
 - the README's commands as written: the secrets in `.env`, so that `docker compose exec admin
   proj requests` (and logs, ps, down) run at all; no secret on a process' command line (Flower's
   `--basic-auth` was, for every local user's `ps`); an upgrade (a rebuilt image with a new
@@ -24,8 +25,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from proj.engine.preflight import head_revision
 from proj.qbt.local import free_port
@@ -278,3 +281,48 @@ def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_a
     finally:
         op.compose("down", "-v", "--remove-orphans", files=(str(override),), check=False)
         docker("rmi", "-f", tag, check=False)
+
+
+def compose_config(env: dict[str, str]) -> dict[str, Any]:
+    """compose.yaml + compose.ci.yaml as compose renders them with this environment."""
+    out = subprocess.run(
+        ["docker-compose", "-f", "compose.yaml", "-f", "compose.ci.yaml", "config"],
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if k not in SECRETS}, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(yaml.safe_load(out))
+
+
+def test_a_postgres_password_with_url_characters_reaches_postgres(postgres: Postgres) -> None:
+    """POSTGRES_PASSWORD from a password manager (`@ : / # % ?`): the app containers used to put
+    it into DATABASE_URL as is, a URL libpq cannot parse, so `migrate` failed and nothing
+    started."""
+    password = "p@ss:w/rd#1%?x"
+    env = {"POSTGRES_PASSWORD": password, **{k: "x" for k in SECRETS}}
+    services = compose_config(env)["services"]
+    pg_env, migrate_env = services["postgres"]["environment"], services["migrate"]["environment"]
+    assert pg_env["POSTGRES_PASSWORD"] == password
+    name = f"{postgres.net}_pgpw"
+    try:
+        docker(
+            "run", "-d", "--name", name, "--network", postgres.net, "--network-alias", "postgres",
+            *[a for k, v in pg_env.items() for a in ("-e", f"{k}={v}")], services["postgres"]["image"],
+        )  # fmt: skip
+        wait_for(
+            lambda: docker("exec", name, "pg_isready", "-q", "-h", "127.0.0.1", check=False).returncode == 0,
+            60,
+            interval=0.3,
+            what="postgres",
+        )
+        run = docker(
+            "run", "--rm", "--network", postgres.net,
+            *[a for k, v in migrate_env.items() for a in ("-e", f"{k}={v}")],
+            services["migrate"]["image"], *services["migrate"]["command"], check=False, timeout=180,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert f"schema at {head_revision()}" in run.stdout
+    finally:
+        docker("rm", "-f", name, check=False)
