@@ -18,7 +18,7 @@ from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, register, step, wait_for
-from proj.kinds.common import TaskInput, download_dir, load_task, torrent_decision
+from proj.kinds.common import TaskInput, download_dir, load_task, torrent_add, torrent_decision
 from proj.settings import get_settings
 
 
@@ -53,13 +53,7 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
                 return {"infohash": infohash, "adopted": True}
             if found is not None:
                 return {"infohash": infohash}
-            qbt.client().torrents_add(
-                torrent_files={f"{infohash}.torrent": task.torrent},
-                save_path=str(download_dir()),
-                tags=qbt.MANAGED_TAG,
-                use_auto_torrent_management=False,
-            )
-            qbt.wait_listed(infohash)
+            add_tagged(task)
         return {"infohash": infohash}
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
@@ -72,6 +66,18 @@ def add_torrent(ctx: StepContext) -> dict[str, Any]:
         if service.advance_status(s, task.id, "downloading"):  # not again on a retry
             service.event(s, task.id, "torrent added", infohash=infohash)
     return result
+
+
+def add_tagged(task: DownloadTask) -> None:
+    """Hand the torrent to qBittorrent with our tag, into DOWNLOAD_DIR; wait until it is listed.
+    The caller holds the infohash's lock (`torrent_decision`) and found it absent."""
+    qbt.client().torrents_add(
+        torrent_files={f"{task.infohash}.torrent": task.torrent},
+        save_path=str(download_dir()),
+        tags=qbt.MANAGED_TAG,
+        use_auto_torrent_management=False,
+    )
+    qbt.wait_listed(task.infohash)
 
 
 def introduce_peers(infohash: str) -> None:
@@ -115,7 +121,7 @@ def look_at_download(ctx: StepContext, task: DownloadTask) -> dict[str, Any] | N
     """Record the progress; the download's place once complete, else nudge it (resume, peers)."""
     t = qbt.find(task.infohash)
     if t is None:
-        raise RuntimeError(f"torrent {task.infohash} disappeared from qBittorrent")
+        return missing(ctx, task)
     with db.transaction() as s:
         s.execute(update(DownloadTask).where(DownloadTask.id == task.id).values(progress=float(t.progress)))
     ctx.report_progress(float(t.progress) * task.total_size, task.total_size, "downloading")
@@ -132,6 +138,68 @@ def look_at_download(ctx: StepContext, task: DownloadTask) -> dict[str, Any] | N
         introduce_peers(task.infohash)
         return None
     return {"infohash": task.infohash, "save_path": t.save_path}
+
+
+MISSING = "torrent missing from qBittorrent"
+READDED = "torrent added again"
+
+
+def missing(ctx: StepContext, task: DownloadTask) -> None:
+    """The torrent is no longer in qBittorrent (deleted in its UI, its profile lost).
+
+    The first look flags the request (`missing_torrent`) and fails the run at once, saying what
+    to do: the operator meant to stop it (then cancel the request) or not. A look after that
+    failure is an operator's retry: the torrent is added again, through the ledger (one op per
+    disappearance), and the wait goes on. An operator's own torrent (adopted) is not ours to
+    add back. Why: the wait raised five times and its dead letter could never be revived, a
+    retry re-running only the wait (`tests/integration/test_qbt_review.py::
+    test_a_torrent_deleted_in_qbittorrent_fails_its_request_at_once_and_a_retry_adds_it_again`).
+    """
+    with db.transaction() as s:
+        last = s.execute(
+            select(TaskEvent.id, TaskEvent.what)
+            .where(TaskEvent.download_task_id == task.id, TaskEvent.what.in_((MISSING, READDED)))
+            .order_by(TaskEvent.id.desc())
+            .limit(1)
+        ).first()
+    adopted = bool((torrent_add(task.id) or {}).get("adopted"))
+    if last is None or last.what == READDED or adopted:
+        with db.transaction() as s:
+            s.execute(
+                pg_insert(Flag)
+                .values(kind="missing_torrent", subject=str(task.id), detail={"infohash": task.infohash})
+                .on_conflict_do_nothing()
+            )
+            if last is None or last.what == READDED:
+                service.event(s, task.id, MISSING, infohash=task.infohash)
+        again = "" if adopted else ", or retry it to add the torrent again"
+        raise NonRetryable(
+            f"torrent {task.infohash} is no longer in qBittorrent (removed there, or its profile "
+            f"was lost): cancel the request{again}"
+        )
+    readd(ctx, task, last.id)
+
+
+def readd(ctx: StepContext, task: DownloadTask, missing_event: int) -> None:
+    """Add the vanished torrent again, once per disappearance (the ledger op names its event)."""
+
+    def do(att: Attempt) -> dict[str, Any]:
+        att.check()
+        with torrent_decision(task.infohash):
+            if qbt.find(task.infohash) is None:
+                add_tagged(task)
+        return {"infohash": task.infohash}
+
+    def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
+        found = qbt.find(task.infohash)
+        return Done({"infohash": task.infohash, "reconciled": True}) if found else NotDone("absent")
+
+    op = f"qbt-readd:{task.id}:{missing_event}"
+    plan = {"infohash": task.infohash, "tag": qbt.MANAGED_TAG}
+    effect(ctx, op, plan, do, reconcile, effect_kind="qbittorrent")
+    introduce_peers(task.infohash)
+    with db.transaction() as s:
+        service.event(s, task.id, READDED, infohash=task.infohash)
 
 
 # States qBittorrent never leaves by itself: it could not read or write the files (full disk,

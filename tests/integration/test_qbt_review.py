@@ -270,3 +270,41 @@ def test_the_download_wait_leaves_the_operators_own_paused_torrent_paused(procs,
     wait_for(lambda: resumed() or scalar(checks) >= 4, 30, what="a few re-checks of the download")
     assert client.torrents_info(torrent_hashes=p.infohash)[0].state in paused
     assert status(task_id) == "downloading"
+
+
+# ------------------------------------------------------------------ deleted in qBittorrent
+
+
+def test_a_torrent_deleted_in_qbittorrent_fails_its_request_at_once_and_a_retry_adds_it_again(
+    procs, swarm: Swarm
+) -> None:
+    """The operator deletes a downloading torrent in qBittorrent's UI (or qBittorrent's profile
+    is lost). Before: the download wait raised "disappeared" five times (~15 s) and the dead
+    letter could never be revived: retrying it only re-ran the wait, which failed again, since
+    the add had long been recorded. Now the first re-check flags the request (`missing_torrent`)
+    and fails the run at once saying what to do; an operator's retry adds the torrent again
+    (through the ledger) and the request finishes."""
+    hold_seeding(swarm)
+    env = swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="2")
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    task_id = start(swarm)
+    added(swarm, task_id)
+    client = swarm.managed.client()
+    client.torrents_delete(delete_files=True, torrent_hashes=swarm.payload.infohash)
+    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 30, what="the acquire run to notice")
+    assert acquire_status() == "failed"
+    error = scalar("SELECT last_error->>'message' FROM engine.task_run WHERE kind = 'acquire'")
+    assert "retry" in error and swarm.payload.infohash in error, error
+    assert scalar("SELECT attempts FROM engine.step WHERE name = 'download'") == 1
+    flagged = "SELECT count(*) FROM acq.flag WHERE kind = 'missing_torrent' AND subject = %s"
+    assert scalar(flagged, (str(task_id),)) == 1
+
+    run_id = scalar("SELECT id FROM engine.task_run WHERE kind = 'acquire'")
+    assert runs.retry_failed(run_id) >= 1
+    wait_for(lambda: client.torrents_info(torrent_hashes=swarm.payload.infohash), 30, what="the re-add")
+    release(swarm)
+    imported(procs, swarm, task_id)
+    readd = sql("SELECT status FROM ledger.asset_operation WHERE op_key LIKE %s", (f"qbt-readd:{task_id}:%",))
+    assert readd == [("done",)]
+    assert "torrent added again" in events(task_id)
