@@ -256,6 +256,8 @@ def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_a
         top = docker("top", op.container(svc), "-eo", "pid,args").stdout
         leaked = [k for k, v in op.secrets.items() if v in top]
         assert not leaked, f"{svc} shows {leaked} on its command line:\n{top}"
+        # and its log is capped (test_every_container_rotates_its_logs), as Docker applies it
+        assert op.inspect(svc, '{{index .HostConfig.LogConfig.Config "max-size"}}') == "10m", svc
 
     # Upgrade: a rebuilt image with a new migration, `docker compose up -d` again: migrate runs
     # it before any app container of the new image starts, and they come up healthy on it.
@@ -326,3 +328,16 @@ def test_a_postgres_password_with_url_characters_reaches_postgres(postgres: Post
         assert f"schema at {head_revision()}" in run.stdout
     finally:
         docker("rm", "-f", name, check=False)
+
+
+def test_every_container_rotates_its_logs() -> None:
+    """Docker's json-file logs grow without bound unless told otherwise, and an idle stack writes
+    about 80 kB a minute (the worker and beat log every sweep and outbox tick): 40 GB a year on
+    the operator's disk. Every service caps its log."""
+    services = compose_config({k: "x" for k in SECRETS})["services"]
+    unbounded = {
+        name: svc.get("logging")
+        for name, svc in services.items()
+        if not (svc.get("logging", {}).get("options", {}).get("max-size"))
+    }
+    assert not unbounded, f"logs without max-size: {sorted(unbounded)}"
