@@ -251,13 +251,33 @@ def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_a
     op.wait_healthy()
     assert op.compose("exec", "-T", "admin", "proj", "requests").startswith("id\ttitle\trequester")
 
-    # No secret on any process' command line (`ps` shows it to every local user).
-    for svc in SERVICES:
+    # No secret on any process' command line (`ps` shows it to every local user), qBittorrent's
+    # on-finish hook included: here it retries an admin that refuses, for some seconds.
+    hook = subprocess.Popen(
+        [
+            "docker",
+            "exec",
+            op.container("qbittorrent"),
+            "sh",
+            "-c",
+            "PROJ_HOOK_URL=http://admin:9/x on-finished 0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(
+        lambda: "on-finished" in docker("top", op.container("qbittorrent"), "-eo", "pid,args").stdout,
+        10,
+        what="the on-finish hook to run",
+    )
+    time.sleep(0.5)
+    for svc in ("qbittorrent", *(s for s in SERVICES if s != "qbittorrent")):
         top = docker("top", op.container(svc), "-eo", "pid,args").stdout
         leaked = [k for k, v in op.secrets.items() if v in top]
         assert not leaked, f"{svc} shows {leaked} on its command line:\n{top}"
         # and its log is capped (test_every_container_rotates_its_logs), as Docker applies it
         assert op.inspect(svc, '{{index .HostConfig.LogConfig.Config "max-size"}}') == "10m", svc
+    hook.wait(30)
 
     # Upgrade: a rebuilt image with a new migration, `docker compose up -d` again: migrate runs
     # it before any app container of the new image starts, and they come up healthy on it.
