@@ -48,8 +48,11 @@ class Stack:
 
     def compose(self, *args: str, check: bool = True, timeout: float = 300) -> str:
         files = ["-f", "compose.yaml", "-f", "compose.ci.yaml", "-f", "tests/docker/compose.test.yaml"]
+        # Not the checkout's .env (the README's Docker section writes one): this stack's own
+        # settings only, on loopback whatever ADMIN_BIND an operator set there.
         r = subprocess.run(
-            ["docker-compose", "-p", self.project, *files, *args],
+            ["docker-compose", "--env-file", str(self.seed_dir.parent / "none.env"), "-p", self.project]
+            + [*files, *args],
             cwd=ROOT,
             env={**os.environ, **self.env},
             capture_output=True,
@@ -113,6 +116,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     hooks.mkdir()
     for d in (tmp_path, seed, hooks):
         d.chmod(0o777)  # the containers run as uid 10001
+    (tmp_path / "none.env").touch()  # Stack.compose's --env-file
     port = free_port()
     env = {
         **SECRETS,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -306,9 +307,15 @@ def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_a
 
 
 def compose_config(env: dict[str, str]) -> dict[str, Any]:
-    """compose.yaml + compose.ci.yaml as compose renders them with this environment."""
+    """compose.yaml + compose.ci.yaml as compose renders them with this environment (and not the
+    checkout's .env: an empty env file)."""
+    with tempfile.NamedTemporaryFile(suffix=".env") as none:
+        return _compose_config(env, none.name)
+
+
+def _compose_config(env: dict[str, str], env_file: str) -> dict[str, Any]:
     out = subprocess.run(
-        ["docker-compose", "-f", "compose.yaml", "-f", "compose.ci.yaml", "config"],
+        ["docker-compose", "--env-file", env_file, "-f", "compose.yaml", "-f", "compose.ci.yaml", "config"],
         cwd=ROOT,
         env={**{k: v for k, v in os.environ.items() if k not in SECRETS}, **env},
         capture_output=True,
