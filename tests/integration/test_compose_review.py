@@ -10,8 +10,10 @@ around it does not.
 - a POSTGRES_PASSWORD with characters a URL reserves (`@ : / # % ?`) reaches Postgres.
 - the README's commands as written: the secrets in `.env`, so that `docker compose exec admin
   proj requests` (and logs, ps, down) run at all; no secret on a process' command line (Flower's
-  `--basic-auth` was, for every local user's `ps`); an upgrade (a rebuilt image with a new
-  migration, `docker compose up -d` again) migrates before the new app containers start.
+  `--basic-auth` and the on-finish hook's curl were, for every local user's `ps`); an upgrade (a
+  rebuilt image with a new migration, `docker compose up -d` again) migrates before the new app
+  containers start.
+- every container's log is capped (json-file grew without bound).
 
 Docker that cannot run fails these tests with the reason (`tests/support/dockerkit.py`).
 """
