@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -62,8 +63,39 @@ def client() -> qbittorrentapi.Client:
             VERIFY_WEBUI_CERTIFICATE=False,
             RAISE_NOTIMPLEMENTEDERROR_FOR_UNIMPLEMENTED_API_ENDPOINTS=False,
         )
-        _local.client = c
+        check_is_qbittorrent(c, s.qbt_url)
+        _local.client = c  # only once it answered as qBittorrent: a fixed QBT_URL is tried afresh
     return c
+
+
+class NotQbittorrent(NonRetryable):
+    """QBT_URL answers, but not as qBittorrent's Web API: retrying cannot change that."""
+
+
+API_VERSION = re.compile(r"\d+(\.\d+)+")
+
+
+def check_is_qbittorrent(c: qbittorrentapi.Client, url: str) -> None:
+    """Ask the Web API its version (logging in if it wants); anything but a version is refused.
+
+    Why: a QBT_URL naming another web page (a wrong port, a proxy's or NAS's login page) failed
+    the add five times with "Exception during response parsing. Error: JSONDecodeError", which
+    does not say that QBT_URL is wrong (`tests/integration/test_qbt_review.py::
+    test_a_qbt_url_that_is_not_qbittorrent_fails_at_once_saying_so`). Unreachable or a refused
+    login raise as they are (`unreachable`, `LoginRefused`).
+    """
+    try:
+        answer = c.app_web_api_version()
+    except qbittorrentapi.APIConnectionError:
+        raise
+    except (qbittorrentapi.APIError, ValueError) as exc:
+        answer = str(exc)
+    if not API_VERSION.fullmatch(str(answer).strip()):
+        got = " ".join(str(answer).split())[:120]
+        raise NotQbittorrent(
+            f"QBT_URL {url} does not answer as qBittorrent's Web API (asked for its version, got "
+            f"{got!r}): point QBT_URL at qBittorrent's Web UI"
+        )
 
 
 def unreachable(exc: BaseException) -> bool:

@@ -7,8 +7,11 @@ business tables and the engine, never only what a step returned.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -308,3 +311,56 @@ def test_a_torrent_deleted_in_qbittorrent_fails_its_request_at_once_and_a_retry_
     readd = sql("SELECT status FROM ledger.asset_operation WHERE op_key LIKE %s", (f"qbt-readd:{task_id}:%",))
     assert readd == [("done",)]
     assert "torrent added again" in events(task_id)
+
+
+# ------------------------------------------------------------------ QBT_URL is not qBittorrent
+
+
+@pytest.fixture
+def html_page() -> Iterator[str]:
+    """A web server that answers every request with an HTML page (a NAS login, a proxy's page)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            body = b"<html><body>Please log in to your NAS</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = answer  # noqa: N815 - http.server's naming
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_qbt_url_that_is_not_qbittorrent_fails_at_once_saying_so(
+    procs, html_page: str, qbt_payload, tmp_path
+) -> None:
+    """QBT_URL names a web page that is not qBittorrent's Web API (a wrong port, a proxy's login
+    page). Before: the add step failed five times with "Exception during response parsing.
+    Error: JSONDecodeError(...)", which does not say QBT_URL is wrong. Now the first call finds
+    the answer is not qBittorrent's, and the step fails at once naming QBT_URL and what came."""
+    (tmp_path / "library").mkdir()
+    (tmp_path / "downloads").mkdir()
+    env = {
+        "QBT_URL": html_page,
+        "LIBRARY_ROOT": str(tmp_path / "library"),
+        "DOWNLOAD_DIR": str(tmp_path / "downloads"),
+    }
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    with db.sessions().begin() as s:
+        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
+    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
+    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    assert acquire_status() == "failed"
+    error = scalar("SELECT last_error->>'message' FROM engine.task_run WHERE kind = 'acquire'")
+    assert scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'") == 1, error
+    assert "QBT_URL" in error and html_page in error and "NAS" in error, error
