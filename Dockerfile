@@ -38,5 +38,5 @@ ENV PATH=/opt/proj/bin:$PATH \
     PROJ_ROLE=worker
 USER proj
 WORKDIR /home/proj
-HEALTHCHECK --interval=10s --timeout=15s --start-period=40s --retries=5 CMD ["proj", "healthcheck"]
+HEALTHCHECK --interval=10s --timeout=15s --start-period=40s --retries=5 CMD ["proj-healthcheck"]
 CMD ["celery", "-A", "proj", "worker", "--loglevel", "INFO"]

@@ -566,51 +566,19 @@ def healthcheck(
         None, min=1, max=65535, envvar="PROJ_HEALTH_PORT", help="admin or flower: its port (8088, 5555)"
     ),
 ) -> None:
-    """The Docker HEALTHCHECK: exit 0 when this container's process answers.
+    """The Docker HEALTHCHECK (`proj-healthcheck`, which imports less): exit 0 when this
+    container's process answers.
 
     worker: its Celery node (`celery@<hostname>`) answers a ping; admin: /admin/healthz answers;
     flower: /healthcheck answers; beat: Postgres and the broker answer (beat holds no port).
     """
-    import socket
-    import urllib.request
+    from proj import health
 
-    def http_ok(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    if role == "worker":
-        from proj.celery import app
-
-        node = f"celery@{socket.gethostname()}"
-        ok = bool(app.control.ping(destination=[node], timeout=timeout))
-        what = f"worker {node}"
-    elif role == "admin":
-        at = port or 8088
-        ok, what = http_ok(f"http://127.0.0.1:{at}/admin/healthz"), f"admin on :{at}"
-    elif role == "flower":
-        at = port or 5555
-        ok, what = http_ok(f"http://127.0.0.1:{at}/healthcheck"), f"flower on :{at}"
-    elif role == "beat":
-        from sqlalchemy import text
-
-        from proj import db
-        from proj.celery import app
-
-        try:
-            with db.transaction() as s:
-                s.execute(text("SELECT 1"))
-            with app.connection_for_write() as conn:
-                conn.ensure_connection(max_retries=1, timeout=timeout)
-            ok = True
-        except Exception:
-            ok = False
-        what = "beat's Postgres and broker"
-    else:
+    try:
+        ok, what = health.check(role, timeout, port)
+    except ValueError:
         errors.print(f"[red]unknown role {role!r}: worker, beat, admin or flower[/red]")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     console.print(f"{what}: {'healthy' if ok else 'not answering'}")
     raise typer.Exit(0 if ok else 1)
 
