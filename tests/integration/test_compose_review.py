@@ -370,3 +370,15 @@ def test_every_container_rotates_its_logs() -> None:
         if not (svc.get("logging", {}).get("options", {}).get("max-size"))
     }
     assert not unbounded, f"logs without max-size: {sorted(unbounded)}"
+
+
+def test_a_stopped_worker_has_time_to_finish_its_running_steps() -> None:
+    """`docker stop` (down, an upgrade) sends SIGTERM and Celery's warm shutdown lets the running
+    steps finish, but Docker's default grace is 10 s: a step with a few seconds' more work was
+    killed and ran again from the start elsewhere (a 30 s step re-ran as attempt 2 on every
+    `down`). The worker is given a minute, and the operator can change it."""
+    services = compose_config({k: "x" for k in SECRETS})["services"]
+    grace = str(services["worker"].get("stop_grace_period", "10s"))
+    assert grace == "1m0s" or grace in ("60s", "1m"), grace
+    custom = compose_config({**{k: "x" for k in SECRETS}, "WORKER_STOP_GRACE": "5m"})["services"]
+    assert str(custom["worker"]["stop_grace_period"]) in ("5m", "5m0s"), custom["worker"]["stop_grace_period"]
