@@ -144,7 +144,8 @@ def check_schema() -> Check:
         preflight.check_schema()
         return Check("schema", "OK", f"at head {preflight.head_revision()}")
     except SchemaBehind as exc:
-        return Check("schema", "FAIL", str(exc).split(":")[0], "run `proj migrate`")
+        detail, _, fix = str(exc).partition(": ")  # the check's message is "what: what to do"
+        return Check("schema", "FAIL", detail, fix or "run `proj migrate`")
     except Exception as exc:
         return Check("schema", "FAIL", _first_line(exc), "fix the postgres check first")
 

@@ -57,11 +57,28 @@ def current_revision() -> str | None:
 def check_schema() -> None:
     """Refuse to run on a schema older (or newer) than this code."""
     head, current = head_revision(), current_revision()
-    if current != head:
+    if current == head:
+        return
+    if current is not None and not known_revision(current):
+        # Told to run `proj migrate`, the operator of a rolled-back image met alembic's "Can't
+        # locate revision" (`tests/integration/test_operator_review.py::
+        # test_a_worker_on_a_schema_a_newer_version_migrated_says_so`).
         raise SchemaBehind(
-            f"database schema is at {current or 'nothing'}, this code needs {head}: "
-            "run `proj migrate` (workers never migrate on start)"
+            f"database schema is at {current}, which this code does not know: a newer version of "
+            "proj migrated it; run that version, or restore the database from before the upgrade"
         )
+    raise SchemaBehind(
+        f"database schema is at {current or 'nothing'}, this code needs {head}: "
+        "run `proj migrate` (workers never migrate on start)"
+    )
+
+
+def known_revision(revision: str) -> bool:
+    """Whether this code's migrations include `revision`."""
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except Exception:  # alembic's ResolutionError / CommandError for an unknown id
+        return False
 
 
 @dataclass(frozen=True)

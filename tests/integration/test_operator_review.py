@@ -195,3 +195,29 @@ def test_an_engine_serve_naming_no_kind_says_which_exist() -> None:
     assert worker.returncode != 0, worker.stdout + worker.stderr
     assert "ENGINE_SERVE names nosuch@1" in worker.stderr, worker.stderr
     assert "acquire@1" in worker.stderr.split("known:")[-1], worker.stderr
+
+
+def test_a_worker_on_a_schema_a_newer_version_migrated_says_so() -> None:
+    """After an upgrade rolled back to the previous image, the worker (and `proj doctor`) said
+    "run `proj migrate`", which then failed on alembic's "Can't locate revision". Now the
+    schema check says a newer version migrated the database and what to do instead."""
+    import psycopg
+
+    from tests.conftest import PG_ADMIN_URL, TEST_DB
+    from tests.support.services import recreate_database
+
+    name = f"{TEST_DB}_newer"
+    recreate_database(PG_ADMIN_URL, name)
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    try:
+        assert proj_run("migrate", env={"DATABASE_URL": url}).returncode == 0
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("UPDATE public.alembic_version SET version_num = '9999_from_the_future'")
+        doctor = proj_run("doctor", env={"DATABASE_URL": url})
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    out = doctor.stdout + doctor.stderr
+    assert doctor.returncode == 1, out
+    assert "a newer version of proj migrated it" in out, out
+    assert "run `proj migrate`" not in out, out
