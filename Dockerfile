@@ -4,6 +4,8 @@
 ARG BASE=python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
+# Lets scripts/docker-images drop this stage's untagged image after a rebuild, and only ours.
+LABEL proj.stage=build
 # Debian's python3 needs python3-venv; the official Python image has it already.
 RUN python3 -c "import ensurepip, venv" 2>/dev/null \
  || (apt-get update && apt-get install -y --no-install-recommends python3-venv \
