@@ -72,9 +72,20 @@ def safe_relative(path: str) -> str:
     return path
 
 
+def _text(value: object) -> str:
+    """A name from the metainfo as text. torf hands back the raw bytes of a name that is not
+    UTF-8, whose `str()` (`b'caf\\xe9.bin'`) was then refused as an "unsafe file name"; qBittorrent and
+    the library need UTF-8, so that is what the refusal says
+    (`tests/unit/test_torrents_and_settings.py::test_a_name_that_is_not_utf8_is_refused_saying_so`)."""
+    if isinstance(value, bytes | bytearray):
+        shown = bytes(value).decode("utf-8", "backslashreplace")
+        raise BadTorrent(f"file name in torrent is not UTF-8: {shown}")
+    return str(value)
+
+
 def _segment(seg: object) -> str:
     """One element of a multi-file torrent's `path` list: a plain, non-empty name."""
-    s = str(seg)
+    s = _text(seg)
     if not s or "/" in s or s in (".", ".."):
         raise BadTorrent(f"unsafe path segment in torrent: {s!r}")
     return s
@@ -99,7 +110,7 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
     try:
         t = torf.Torrent.read_stream(io.BytesIO(bytes(data)), validate=False)
         meta_info = t.metainfo["info"]
-        name = str(meta_info["name"])
+        name = _text(meta_info["name"])
         multi = "files" in meta_info
         if multi:
             raw = [("/".join(_segment(s) for s in f["path"]), int(f["length"])) for f in meta_info["files"]]

@@ -77,3 +77,33 @@ def test_settings_refuse_impossible_values_and_hide_secrets(monkeypatch: pytest.
     s = Settings()
     assert s.lease_ttl_s == 15.0
     assert "hunter2" not in repr(s) and "hunter2" not in str(s.model_dump())
+
+
+def _bencode(v: object) -> bytes:
+    if isinstance(v, int):
+        return b"i%de" % v
+    if isinstance(v, str):
+        v = v.encode()
+    if isinstance(v, bytes):
+        return b"%d:%s" % (len(v), v)
+    if isinstance(v, list):
+        return b"l" + b"".join(_bencode(x) for x in v) + b"e"
+    assert isinstance(v, dict)
+    return b"d" + b"".join(_bencode(k) + _bencode(x) for k, x in sorted(v.items())) + b"e"
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_a_name_that_is_not_utf8_is_refused_saying_so(multi: bool) -> None:
+    """A Latin-1 name (`café.bin` from an old client) was refused as an "unsafe file name in
+    torrent: \"b'caf\\\\xe9.bin'\"", as if it tried to escape the library; now the reason is the
+    encoding, with the name shown."""
+    info: dict[str, object] = {"name": b"caf\xe9.bin" if not multi else "show", "piece length": 16384}
+    info["pieces"] = b"\x00" * 20
+    if multi:
+        info["files"] = [{"path": [b"caf\xe9.bin"], "length": 5}]
+    else:
+        info["length"] = 5
+    with pytest.raises(BadTorrent) as err:
+        parse(_bencode({"info": info}))
+    assert "not UTF-8" in str(err.value) and "caf\\xe9.bin" in str(err.value), str(err.value)
+    assert "unsafe" not in str(err.value)
