@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from proj.acquisition.torrents import BadTorrent, TorrentTooLarge, parse, verify_pieces
 from proj.settings import Settings
-from tests.support.torrents import multi_file
+from tests.support.torrents import bencode, multi_file
 
 
 def real_torrent(tmp_path: Path) -> tuple[bytes, Path]:
@@ -79,19 +79,6 @@ def test_settings_refuse_impossible_values_and_hide_secrets(monkeypatch: pytest.
     assert "hunter2" not in repr(s) and "hunter2" not in str(s.model_dump())
 
 
-def _bencode(v: object) -> bytes:
-    if isinstance(v, int):
-        return b"i%de" % v
-    if isinstance(v, str):
-        v = v.encode()
-    if isinstance(v, bytes):
-        return b"%d:%s" % (len(v), v)
-    if isinstance(v, list):
-        return b"l" + b"".join(_bencode(x) for x in v) + b"e"
-    assert isinstance(v, dict)
-    return b"d" + b"".join(_bencode(k) + _bencode(x) for k, x in sorted(v.items())) + b"e"
-
-
 @pytest.mark.parametrize("multi", [False, True])
 def test_a_name_that_is_not_utf8_is_refused_saying_so(multi: bool) -> None:
     """A Latin-1 name (`café.bin` from an old client) was refused as an "unsafe file name in
@@ -104,6 +91,6 @@ def test_a_name_that_is_not_utf8_is_refused_saying_so(multi: bool) -> None:
     else:
         info["length"] = 5
     with pytest.raises(BadTorrent) as err:
-        parse(_bencode({"info": info}))
+        parse(bencode({"info": info}))
     assert "not UTF-8" in str(err.value) and "caf\\xe9.bin" in str(err.value), str(err.value)
     assert "unsafe" not in str(err.value)
