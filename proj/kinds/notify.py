@@ -9,6 +9,7 @@ import httpx
 from proj.acquisition import service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, NotDone, effect
+from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.kinds.common import TaskInput, load_task
 
@@ -29,6 +30,11 @@ def post_webhook(ctx: StepContext) -> dict[str, Any]:
     def do(att: Attempt) -> dict[str, Any]:
         att.check()
         r = httpx.post(task.webhook_url, json=body, headers={"Idempotency-Key": key}, timeout=10)
+        if refused_for_good(r.status_code):
+            raise NonRetryable(
+                f"the webhook {task.webhook_url} answered {r.status_code}: it refuses this call, "
+                "so it is not sent again; fix the receiver and retry the run"
+            )
         r.raise_for_status()
         return {"status": r.status_code}
 
@@ -43,11 +49,24 @@ def post_webhook(ctx: StepContext) -> dict[str, Any]:
     return result
 
 
+def refused_for_good(status: int) -> bool:
+    """A 4xx other than timeout (408), too early (425) and too many requests (429): the receiver
+    refuses this call, and sending it again for half an hour changes nothing."""
+    return 400 <= status < 500 and status not in (408, 425, 429)
+
+
+# A requester's endpoint may be down for minutes (a deploy, a restart). The network policy's five
+# attempts spent about 15 s, so an outage of a minute made the notice a dead letter; these twelve
+# wait 2 s, 4 s, … up to 10 min apart, about 40 min in all, as webhook senders commonly do
+# (`tests/integration/test_notify.py`).
+WEBHOOK_RETRY = RetryPolicy(max_attempts=12, initial_s=2.0, max_s=600.0)
+
+
 NOTIFY = register(
     Kind(
         name="notify",
         version=1,
-        retry=RetryPolicy.network(),
+        retry=WEBHOOK_RETRY,
         input_model=TaskInput,
         canvas=(step("post", post_webhook),),
         description="POST the requester's webhook with an Idempotency-Key",
