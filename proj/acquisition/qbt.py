@@ -10,10 +10,24 @@ from typing import Any
 import qbittorrentapi
 
 from proj.engine.errors import NonRetryable
+from proj.engine.kind import RetryPolicy
 from proj.settings import get_settings
 
 MANAGED_TAG = "proj-managed"
 _local = threading.local()
+
+
+# The steps that change qBittorrent (add, remove). qBittorrent restarts for an upgrade (a container
+# re-pulled, a NAS update) take a minute or more; the network policy's five attempts spent about
+# 15 s, so a request approved meanwhile, or a cancel's removal, became a dead letter. These ten
+# wait 2 s, 4 s, … up to 2 min apart, about 8 min in all
+# (`tests/integration/test_qbt_review.py::test_qbittorrent_steps_outlast_a_restart_of_several_minutes`).
+# A refused login, a QBT_URL that is not qBittorrent or unset fail at once, whatever the policy.
+QBT_RETRY = RetryPolicy(max_attempts=10, initial_s=2.0, max_s=120.0)
+
+
+class NotConfigured(NonRetryable):
+    """QBT_URL is unset: no retry can reach qBittorrent until the workers are given it."""
 
 
 class LoginRefused(NonRetryable):
@@ -54,7 +68,7 @@ def client() -> qbittorrentapi.Client:
     if c is None:
         s = get_settings()
         if not s.qbt_url:
-            raise RuntimeError("QBT_URL is not set: point it at the managed qBittorrent Web UI")
+            raise NotConfigured("QBT_URL is not set: point it at the managed qBittorrent Web UI")
         c = _Client(
             host=s.qbt_url,
             username=s.qbt_username or "",

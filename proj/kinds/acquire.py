@@ -17,7 +17,7 @@ from proj.acquisition.models import Approval, DownloadTask, Flag, TaskEvent
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.errors import NonRetryable
-from proj.engine.kind import Kind, RetryPolicy, register, step, wait_for
+from proj.engine.kind import Kind, register, step, wait_for
 from proj.kinds.common import TaskInput, download_dir, load_task, torrent_add, torrent_decision
 from proj.settings import get_settings
 
@@ -307,7 +307,7 @@ ACQUIRE = register(
     Kind(
         name="acquire",
         version=1,
-        retry=RetryPolicy.network(),
+        retry=qbt.QBT_RETRY,
         input_model=TaskInput,
         canvas=(
             wait_for(

@@ -13,7 +13,7 @@ from proj.acquisition import library, qbt, service, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
-from proj.engine.kind import Kind, RetryPolicy, register, step
+from proj.engine.kind import Kind, register, step
 from proj.kinds.common import (
     library_path,
     library_rel,
@@ -137,7 +137,7 @@ COMPENSATE = register(
     Kind(
         name="compensate",
         version=1,
-        retry=RetryPolicy.network(),
+        retry=qbt.QBT_RETRY,
         input_model=CompensateInput,
         canvas=(
             step("remove_torrent", remove_torrent),

@@ -9,7 +9,7 @@ from proj import db
 from proj.acquisition import qbt, service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
-from proj.engine.kind import Kind, RetryPolicy, register, sleep_until, step
+from proj.engine.kind import Kind, register, sleep_until, step
 from proj.kinds.common import TaskInput, release_torrent, torrent_add
 
 
@@ -51,7 +51,7 @@ RETIRE_SEED = register(
     Kind(
         name="retire_seed",
         version=1,
-        retry=RetryPolicy.network(),
+        retry=qbt.QBT_RETRY,
         input_model=RetireInput,
         canvas=(
             sleep_until("seed_goal", until=lambda ctx: ctx.input.seed_until),

@@ -364,3 +364,42 @@ def test_a_qbt_url_that_is_not_qbittorrent_fails_at_once_saying_so(
     error = scalar("SELECT last_error->>'message' FROM engine.task_run WHERE kind = 'acquire'")
     assert scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'") == 1, error
     assert "QBT_URL" in error and html_page in error and "NAS" in error, error
+
+
+def test_an_unset_qbt_url_fails_the_add_at_once_naming_it(procs, qbt_payload, tmp_path) -> None:
+    """QBT_URL unset: no retry can reach qBittorrent until the workers are given it. The add step
+    used to spend its retries on it (a RuntimeError); it now fails at once, naming QBT_URL."""
+    (tmp_path / "library").mkdir()
+    (tmp_path / "downloads").mkdir()
+    env = {
+        "QBT_URL": "",
+        "LIBRARY_ROOT": str(tmp_path / "library"),
+        "DOWNLOAD_DIR": str(tmp_path / "downloads"),
+    }
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    with db.sessions().begin() as s:
+        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
+    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
+    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    assert acquire_status() == "failed"
+    error = scalar("SELECT last_error->>'message' FROM engine.task_run WHERE kind = 'acquire'")
+    assert scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'") == 1, error
+    assert "QBT_URL is not set" in error, error
+
+
+@pytest.mark.parametrize("kind", ["acquire", "retire_seed", "compensate"])
+def test_qbittorrent_steps_outlast_a_restart_of_several_minutes(kind: str) -> None:
+    """The steps that add or remove torrents retried under the network policy: five attempts in
+    about 15 s, so qBittorrent restarting for an upgrade (a minute or more) turned a request
+    approved meanwhile, or a cancel's removal, into a dead letter. Their retries now span over
+    five minutes (the backoff without its jitter); a refused login, an unset QBT_URL or one that
+    is not qBittorrent still fail at once (the tests above)."""
+    from proj.engine.kind import get_kind
+
+    policy = get_kind(kind, 1).retry
+    span = sum(
+        min(policy.max_s, policy.initial_s * policy.multiplier ** (n - 1))
+        for n in range(1, policy.max_attempts)
+    )
+    assert span >= 5 * 60, (kind, span)
