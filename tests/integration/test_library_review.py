@@ -20,6 +20,7 @@ from proj.engine import runs
 from tests.conftest import new_key
 from tests.integration.test_relocate_overlap import REL, copies, library_item, relocate, wait_ended
 from tests.support.services import scalar, sql, wait_for
+from tests.support.torrents import bencode
 
 
 def sha256(path: Path) -> str:
@@ -266,19 +267,6 @@ def test_a_copy_into_new_folders_makes_each_new_folder_durable(
 
 
 # ------------------------------------------------------------- names the filesystem cannot hold
-
-
-def bencode(x: object) -> bytes:
-    if isinstance(x, int):
-        return b"i%de" % x
-    if isinstance(x, str):
-        x = x.encode()
-    if isinstance(x, bytes):
-        return b"%d:%s" % (len(x), x)
-    if isinstance(x, list):
-        return b"l" + b"".join(bencode(i) for i in x) + b"e"
-    assert isinstance(x, dict)
-    return b"d" + b"".join(bencode(k) + bencode(v) for k, v in sorted(x.items())) + b"e"
 
 
 def raw_torrent(name: str, paths: list[list[str]] | None = None) -> bytes:

@@ -19,6 +19,18 @@ def proj_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
+def worker_run(node: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`celery -A proj worker` with `env` added, until it exits (these tests start one that cannot)."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "warning", "-n", f"{node}@%h"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_a_database_url_that_is_not_postgres_says_so() -> None:
     """Before: `DATABASE_URL=mysql://…` answered `ModuleNotFoundError: No module named 'MySQLdb'`,
     a URL without a scheme `ArgumentError: Could not parse SQLAlchemy URL`, `sqlite:///…` a
@@ -129,14 +141,7 @@ def test_a_malformed_engine_serve_is_a_bad_setting() -> None:
         assert done.returncode == 1, (value, done.stdout, done.stderr)
         assert "bad setting: ENGINE_SERVE" in done.stderr and "kind@version" in done.stderr, done.stderr
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENGINE_SERVE": "acquire"}
-    worker = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "warning", "-n", "badserve@%h"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    worker = worker_run("badserve", ENGINE_SERVE="acquire")
     assert worker.returncode != 0, worker.stdout + worker.stderr
     assert "engine_serve" in worker.stderr and "'acquire' is not kind@version" in worker.stderr, worker.stderr
     assert "IndexError" not in worker.stderr, worker.stderr
@@ -184,14 +189,7 @@ def test_an_engine_serve_naming_no_kind_says_which_exist() -> None:
     """`ENGINE_SERVE=nosuch@1` (a typo, or a version not yet deployed) stopped the worker on
     `unknown kind nosuch@1`, naming neither the setting nor the versions it could name. Now the
     worker's error names ENGINE_SERVE and lists the loaded kinds."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ENGINE_SERVE": "nosuch@1"}
-    worker = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "proj", "worker", "-l", "warning", "-n", "noserve@%h"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    worker = worker_run("noserve", ENGINE_SERVE="nosuch@1")
     assert worker.returncode != 0, worker.stdout + worker.stderr
     assert "ENGINE_SERVE names nosuch@1" in worker.stderr, worker.stderr
     assert "acquire@1" in worker.stderr.split("known:")[-1], worker.stderr

@@ -49,6 +49,25 @@ def events(task_id: uuid.UUID) -> list[str]:
     return [w for (w,) in rows]
 
 
+def acquire_ended() -> None:
+    """Wait until the acquire run has ended, whichever way."""
+    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+
+
+def approve_with_qbt(procs, qbt_payload, tmp_path, **qbt_env: str) -> None:  # noqa: ANN001 - fixtures
+    """A worker and beat whose qBittorrent settings are `qbt_env` (library and downloads under
+    `tmp_path`); the payload requested and approved; back once the acquire run has ended."""
+    (tmp_path / "library").mkdir()
+    (tmp_path / "downloads").mkdir()
+    env = {**qbt_env, "LIBRARY_ROOT": str(tmp_path / "library"), "DOWNLOAD_DIR": str(tmp_path / "downloads")}
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    with db.sessions().begin() as s:
+        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
+    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
+    acquire_ended()
+
+
 def imported(procs, swarm: Swarm, task_id: uuid.UUID, timeout: float = 60) -> None:
     """The task reaches the library with the payload's bytes (or the test prints why not)."""
 
@@ -167,7 +186,7 @@ def test_an_adopted_torrent_kept_outside_the_download_dir_fails_saying_where_it_
     procs.worker("w1", concurrency=2, env=swarm.worker_env(ACQ_DOWNLOAD_RECHECK_S="2"))
     procs.beat(env=swarm.worker_env())
     start(swarm)
-    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    acquire_ended()
     error = str(scalar("SELECT last_error FROM engine.task_run WHERE kind = 'acquire'"))
     assert acquire_status() == "failed", dump_engine_state()
     assert str(elsewhere) in error and str(swarm.downloads) in error, error
@@ -220,21 +239,14 @@ def test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the
     banned for an hour and even the corrected password was refused. Now a refused login fails
     the step at once (one failed login), naming the URL and QBT_USERNAME, never the password."""
     managed = qbt_factory("auth", username="admin", password="right-secret", localhost_auth_bypass=False)
-    (tmp_path / "library").mkdir()
-    (tmp_path / "downloads").mkdir()
-    env = {
-        "QBT_URL": managed.webui_url,
-        "QBT_USERNAME": "admin",
-        "QBT_PASSWORD": "wrong-secret",
-        "LIBRARY_ROOT": str(tmp_path / "library"),
-        "DOWNLOAD_DIR": str(tmp_path / "downloads"),
-    }
-    procs.worker("w1", concurrency=2, env=env)
-    procs.beat(env=env)
-    with db.sessions().begin() as s:
-        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
-    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
-    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    approve_with_qbt(
+        procs,
+        qbt_payload,
+        tmp_path,
+        QBT_URL=managed.webui_url,
+        QBT_USERNAME="admin",
+        QBT_PASSWORD="wrong-secret",
+    )
     assert acquire_status() == "failed"
     attempts = scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'")
     error = str(scalar("SELECT last_error FROM engine.task_run WHERE kind = 'acquire'"))
@@ -347,19 +359,7 @@ def test_a_qbt_url_that_is_not_qbittorrent_fails_at_once_saying_so(
     page). Before: the add step failed five times with "Exception during response parsing.
     Error: JSONDecodeError(...)", which does not say QBT_URL is wrong. Now the first call finds
     the answer is not qBittorrent's, and the step fails at once naming QBT_URL and what came."""
-    (tmp_path / "library").mkdir()
-    (tmp_path / "downloads").mkdir()
-    env = {
-        "QBT_URL": html_page,
-        "LIBRARY_ROOT": str(tmp_path / "library"),
-        "DOWNLOAD_DIR": str(tmp_path / "downloads"),
-    }
-    procs.worker("w1", concurrency=2, env=env)
-    procs.beat(env=env)
-    with db.sessions().begin() as s:
-        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
-    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
-    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    approve_with_qbt(procs, qbt_payload, tmp_path, QBT_URL=html_page)
     assert acquire_status() == "failed"
     error = scalar("SELECT last_error->>'message' FROM engine.task_run WHERE kind = 'acquire'")
     assert scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'") == 1, error
@@ -369,19 +369,7 @@ def test_a_qbt_url_that_is_not_qbittorrent_fails_at_once_saying_so(
 def test_an_unset_qbt_url_fails_the_add_at_once_naming_it(procs, qbt_payload, tmp_path) -> None:
     """QBT_URL unset: no retry can reach qBittorrent until the workers are given it. The add step
     used to spend its retries on it (a RuntimeError); it now fails at once, naming QBT_URL."""
-    (tmp_path / "library").mkdir()
-    (tmp_path / "downloads").mkdir()
-    env = {
-        "QBT_URL": "",
-        "LIBRARY_ROOT": str(tmp_path / "library"),
-        "DOWNLOAD_DIR": str(tmp_path / "downloads"),
-    }
-    procs.worker("w1", concurrency=2, env=env)
-    procs.beat(env=env)
-    with db.sessions().begin() as s:
-        task_id = service.request_download(s, requester="bob", torrent=qbt_payload.torrent)
-    service.approve_and_signal(CeleryTaskEngine(), db.sessions(), task_id, "op")
-    wait_for(lambda: acquire_status() in ("failed", "succeeded"), 60, what="the acquire run to end")
+    approve_with_qbt(procs, qbt_payload, tmp_path, QBT_URL="")
     assert acquire_status() == "failed"
     error = scalar("SELECT last_error->>'message' FROM engine.task_run WHERE kind = 'acquire'")
     assert scalar("SELECT attempts FROM engine.step WHERE name = 'add_torrent'") == 1, error
