@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from proj import db
 from proj.engine.context import StepContext
-from proj.engine.errors import NonRetryable
+from proj.engine.errors import NonRetryable, Unavailable
 from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step, wait_for
 
 TESTKIT_DDL = """
@@ -346,5 +346,52 @@ FINISHER = register(
         retry=RetryPolicy(max_attempts=3, initial_s=0.1, max_s=0.5),
         input_model=FinishInput,
         canvas=(step("write", finishing), step("after", lambda ctx: record(ctx) and "after")),
+    )
+)
+
+
+class OutageInput(BaseModel):
+    """What the step meets on each execution, in order: `U` a service it needs is down
+    (`Unavailable`), `F` an ordinary error, `.` success (past the end: success)."""
+
+    script: str
+
+
+def scripted(ctx: StepContext) -> str:
+    record(ctx)
+    with db.transaction() as s:
+        n = int(
+            s.scalar(
+                text("SELECT count(*) FROM testkit.execution WHERE run_id = :r AND step = :s"),
+                {"r": ctx.run_id, "s": ctx.step},
+            )
+        )
+    what = ctx.input.script[n - 1] if n <= len(ctx.input.script) else "."
+    if what == "U":
+        raise Unavailable(f"the service is down (execution {n})")
+    if what == "F":
+        raise RuntimeError(f"the service answered an error (execution {n})")
+    return f"done after {n}"
+
+
+# Two attempts, and an outage may last an hour without spending them (`outage_s`).
+OUTAGE = register(
+    Kind(
+        name="outage",
+        version=1,
+        retry=RetryPolicy(max_attempts=2, initial_s=0.05, max_s=0.1, outage_s=3600.0),
+        input_model=OutageInput,
+        canvas=(step("call", scripted),),
+    )
+)
+
+# The same step under a policy with no outage window: an `Unavailable` counts like any error.
+OUTAGE_COUNTED = register(
+    Kind(
+        name="outage_counted",
+        version=1,
+        retry=RetryPolicy(max_attempts=2, initial_s=0.05, max_s=0.1),
+        input_model=OutageInput,
+        canvas=(step("call", scripted),),
     )
 )

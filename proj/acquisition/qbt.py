@@ -9,7 +9,7 @@ from typing import Any
 
 import qbittorrentapi
 
-from proj.engine.errors import NonRetryable
+from proj.engine.errors import NonRetryable, Unavailable
 from proj.engine.kind import RetryPolicy
 from proj.settings import get_settings
 
@@ -23,7 +23,16 @@ _local = threading.local()
 # wait 2 s, 4 s, … up to 2 min apart, about 8 min in all
 # (`tests/integration/test_qbt_review.py::test_qbittorrent_steps_outlast_a_restart_of_several_minutes`).
 # A refused login, a QBT_URL that is not qBittorrent or unset fail at once, whatever the policy.
-QBT_RETRY = RetryPolicy(max_attempts=10, initial_s=2.0, max_s=120.0)
+#
+# qBittorrent not answering at all (`unreachable`) is an outage (`Down`): those attempts are not
+# spent for up to a day (`outage_s`), tried every 2 min once the backoff is at its cap, so a
+# qBittorrent down overnight leaves requests waiting, not dead letters
+# (`tests/integration/test_outages.py`). Past a day they count again.
+QBT_RETRY = RetryPolicy(max_attempts=10, initial_s=2.0, max_s=120.0, outage_s=24 * 3600.0)
+
+
+class Down(Unavailable):
+    """qBittorrent did not answer (refused, timed out, a 5xx): an outage, not the step's error."""
 
 
 class NotConfigured(NonRetryable):

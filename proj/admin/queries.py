@@ -132,6 +132,7 @@ def stages_of(s: Session, run_id: uuid.UUID) -> list[dict[str, Any]]:
         st["counts"][r.status] = r.n
         st["attempts"] = max(st["attempts"], r.attempts or 0)
         st["max_attempts"] = r.max_attempts
+        st["outages"] = max(st.get("outages", 0), r.outages or 0)
     return list(stages.values())
 
 

@@ -22,9 +22,9 @@ from proj import db
 from proj.engine import chain, tracing
 from proj.engine.attempts import AttemptEnd, Carry, Claim, Committed, error_payload, to_json
 from proj.engine.dispatch import Dispatch
-from proj.engine.errors import LeaseLost, NonRetryable
+from proj.engine.errors import LeaseLost, NonRetryable, Unavailable
 from proj.engine.kind import Kind, RetryPolicy
-from proj.engine.status import Outcome, RunStatus
+from proj.engine.status import Outcome, RunStatus, StepStatus
 from proj.engine.store import commits as store
 
 log = logging.getLogger(__name__)
@@ -85,19 +85,50 @@ def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> 
 
 
 def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> AttemptEnd:
-    """Schedule the next attempt with backoff, or fail the run when attempts are exhausted."""
+    """Schedule the next attempt with backoff, or fail the run when attempts are exhausted.
+
+    An outage (`Unavailable` under a policy with an `outage_s`) is retried without spending the
+    attempt while the outage is younger than the window; the run shows the error and since when
+    (`tests/integration/test_outages.py`). The attempts spent are counted by the statement, in
+    the row (`attempts - outages`), not from the claim."""
     err = error_payload(exc)
-    final = isinstance(exc, NonRetryable) or c.attempt >= min(c.max_attempts, policy.max_attempts)
-    delay = 0.0 if final else policy.backoff(c.attempt)
+    delay = policy.backoff(c.attempt)
     with db.transaction() as s:
-        if not store.fail_or_retry(s, step_id=c.step_id, token=c.token, final=final, delay=delay, err=err):
-            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
-        close_attempt(s, c, Outcome.FAILED if final else Outcome.RETRY, err)
-        if final:
-            return AttemptEnd(
-                Outcome.FAILED, fail_run(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+        outage = isinstance(exc, Unavailable)
+        if outage and policy.outage_s > 0:
+            out = store.retry_outage(
+                s, step_id=c.step_id, token=c.token, delay=delay, window=policy.outage_s, err=err
             )
-        store.record_retry_error(s, c.run_id, {**err, "step": c.name, "attempts": c.attempt})
+            if out is not None:
+                close_attempt(s, c, Outcome.UNAVAILABLE, err)
+                seen = {**err, "step": c.name, "attempts": out.spent, "outage_since": out.since.isoformat()}
+                store.record_retry_error(s, c.run_id, seen)
+                log.info(
+                    "step %s: a service it needs is down, retry in %.1fs, not counted: %s",
+                    c.step_id,
+                    delay,
+                    exc,
+                )
+                return AttemptEnd(Outcome.UNAVAILABLE, [])
+        budget = min(c.max_attempts, policy.max_attempts)
+        failed = store.fail_or_retry(
+            s,
+            step_id=c.step_id,
+            token=c.token,
+            final=isinstance(exc, NonRetryable),
+            budget=budget,
+            delay=delay,
+            err=err,
+            outage=outage,
+        )
+        if failed is None:
+            raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, failure not recorded")
+        final = failed.status == StepStatus.FAILED
+        close_attempt(s, c, Outcome.FAILED if final else Outcome.RETRY, err)
+        seen = {**err, "step": c.name, "attempts": failed.spent}
+        if final:
+            return AttemptEnd(Outcome.FAILED, fail_run(s, c.run_id, seen))
+        store.record_retry_error(s, c.run_id, seen)
     log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
     return AttemptEnd(Outcome.RETRY, [])
 
@@ -131,7 +162,10 @@ def commit_deadline(c: Claim, exc: BaseException) -> AttemptEnd:
     ends `failed` with `DeadlineExceeded`, with its compensation (`chain.expire_run`)."""
     err = error_payload(exc)
     with db.transaction() as s:
-        if not store.fail_or_retry(s, step_id=c.step_id, token=c.token, final=True, delay=0.0, err=err):
+        if (
+            store.fail_or_retry(s, step_id=c.step_id, token=c.token, final=True, budget=0, delay=0.0, err=err)
+            is None
+        ):
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, deadline not recorded")
         close_attempt(s, c, Outcome.FAILED, err)
         err_run = {**err, "step": c.name, "attempts": c.attempt}

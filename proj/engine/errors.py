@@ -58,6 +58,15 @@ class NonRetryable(EngineError):
     """Raise from a step body to fail the run at once, without further attempts."""
 
 
+class Unavailable(EngineError):
+    """Raise from a step body when a service it needs is down (refused, unreachable, a 503):
+    the attempt is retried after the policy's backoff without being counted, for as long as
+    the policy's `outage_s` allows; past it, attempts count again. Under a policy with no outage
+    window it is an ordinary failure. Why: an outage is not the step's fault, and a restart of
+    qBittorrent or a webhook receiver down for a night spent every attempt of a policy sized
+    for errors (`tests/integration/test_outages.py`)."""
+
+
 class SchemaBehind(EngineError):
     """The database schema is older than the code; run `proj migrate`."""
 

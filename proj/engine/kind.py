@@ -25,13 +25,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Explicit per kind (invariant 9): attempts and exponential backoff with jitter."""
+    """Explicit per kind (invariant 9): attempts and exponential backoff with jitter.
+
+    `outage_s`: how long the step may wait out an outage of a service it needs (its body raises
+    `errors.Unavailable`): those attempts are retried after the same backoff but not counted,
+    until the outage has lasted `outage_s`; then they count again. 0 (the default): an
+    `Unavailable` is an ordinary failure. The run's deadline and a cancel still end it."""
 
     max_attempts: int
     initial_s: float = 1.0
     max_s: float = 60.0
     multiplier: float = 2.0
     jitter: float = 0.25
+    outage_s: float = 0.0
 
     def backoff(self, attempt: int) -> float:
         """Delay before attempt `attempt + 1`, after `attempt` failures (1-based)."""

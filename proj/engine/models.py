@@ -194,6 +194,9 @@ class Step(Base):
     blocked_reason: Mapped[str | None] = mapped_column(Text)
     blocked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     blocked_on: Mapped[str | None] = mapped_column(BLOCKED_ON)
+    # outages (0014): attempts that met `Unavailable` in the window, not counted; and since when
+    outages: Mapped[int] = mapped_column(Integer, server_default="0")
+    outage_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class StepAttempt(Base):

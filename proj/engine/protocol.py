@@ -14,6 +14,7 @@ Every delivery of a step message goes through `execute()`, as a Celery task goes
    (`children`: enqueue it and park until it finishes), with a `StepContext`.
 4. **commit decision** (`commits`), fenced by the lease token: `succeeded` (the result, and the
    run advanced in the same transaction by `chain`), `retry` or `failed` (the retry policy),
+   `unavailable` (a service the body needs is down: retried, the attempt not spent),
    `canceled` (the body stopped on a cancel request), `failed` with `DeadlineExceeded` (the
    body stopped past the run's deadline), `waiting`/`rechecking` (parked), or
    `lease_lost` (another attempt took over: nothing is written).

@@ -146,11 +146,17 @@ def _parked(row: store_runs.RunViewRow) -> bool:
 
 
 def _pending_reason(row: store_runs.RunViewRow) -> str | None:
-    """Why a run is not moving: a future start, a full concurrency limit, or no worker serving
-    its version picked it up (a woken run's step included: the run shows `waiting` until then,
+    """Why a run is not moving: an outage it waits out, a future start, a full concurrency
+    limit, or no worker serving its version picked it up (a woken run's step included: the run
+    shows `waiting` until then,
     `tests/integration/test_wake_batches.py::test_the_claim_moves_a_woken_run_to_running`)."""
     if row.status not in ACTIVE or row.due_at is None:
         return None
+    if row.due_at > row.db_now and row.outage_since is not None:
+        return (
+            f"a service it needs is down (since {row.outage_since.isoformat()}): "
+            f"next try at {row.due_at.isoformat()}"
+        )
     if row.due_at > row.db_now:
         return f"scheduled for {row.due_at.isoformat()}"
     if row.blocked_reason:

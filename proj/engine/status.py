@@ -37,6 +37,7 @@ class Outcome(StrEnum):
     NOOP = "noop"  # nothing was claimed: a duplicate or stale message
     SUCCEEDED = "succeeded"
     RETRY = "retry"  # failed; another attempt is scheduled after a backoff
+    UNAVAILABLE = "unavailable"  # a service it needs was down: retried, the attempt not counted
     FAILED = "failed"  # failed for the last time: the run is a dead letter
     CANCELED = "canceled"  # the body stopped on a cancel request
     WAITING = "waiting"  # parked until a signal or its timer

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 TRACER_NAME = "proj.engine"
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 # Step outcomes that mean the attempt did not do its work.
-ERROR_OUTCOMES = frozenset({Outcome.FAILED, Outcome.RETRY, Outcome.LEASE_LOST})
+ERROR_OUTCOMES = frozenset({Outcome.FAILED, Outcome.RETRY, Outcome.UNAVAILABLE, Outcome.LEASE_LOST})
 
 _lock = threading.Lock()
 _configured_pid: int | None = None

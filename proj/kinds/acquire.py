@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import uuid
 from typing import Any
 
 from sqlalchemy import select, update
@@ -18,7 +17,15 @@ from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, register, step, wait_for
-from proj.kinds.common import TaskInput, download_dir, load_task, torrent_add, torrent_decision
+from proj.kinds.common import (
+    TaskInput,
+    download_dir,
+    load_task,
+    note_unreachable,
+    torrent_add,
+    torrent_decision,
+    while_qbittorrent_down,
+)
 from proj.settings import get_settings
 
 
@@ -99,9 +106,6 @@ def resolve_peer(peer: str) -> str:
         return f"{socket.gethostbyname(host)}:{port}"
     except OSError:
         return peer  # qBittorrent says what it makes of it
-
-
-UNREACHABLE = "qBittorrent unreachable"
 
 
 def downloaded(ctx: StepContext) -> dict[str, Any] | None:
@@ -269,27 +273,6 @@ def in_download_dir(task: DownloadTask, t: Any) -> bool:
     return False
 
 
-def note_unreachable(task_id: uuid.UUID, exc: BaseException) -> None:
-    """qBittorrent did not answer a download re-check: the wait parks again (its timer, the
-    on-finish hook or `reconcile_downloads` look again) and the request's timeline says why
-    it does not move, once per outage.
-
-    Why: a re-check that raised spent the network retry policy (1 s … 8 s) in ~15 s, so a
-    qBittorrent restarting or down for maintenance turned every downloading request into a dead
-    letter (`tests/integration/test_qbt_review.py::
-    test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks`).
-    """
-    with db.transaction() as s:
-        last = s.scalar(
-            select(TaskEvent.what)
-            .where(TaskEvent.download_task_id == task_id)
-            .order_by(TaskEvent.id.desc())
-            .limit(1)
-        )
-        if last != UNREACHABLE:
-            service.event(s, task_id, UNREACHABLE, error=str(exc)[:300])
-
-
 def queue_import(ctx: StepContext) -> dict[str, str]:
     """Status, the `import` event and this step's result commit together, fenced by the lease."""
     task = load_task(ctx)
@@ -316,7 +299,7 @@ ACQUIRE = register(
                 timeout_s=lambda ctx: get_settings().acq_approval_timeout_s,
                 check=approved,
             ),
-            step("add_torrent", add_torrent),
+            step("add_torrent", while_qbittorrent_down(add_torrent)),
             wait_for(
                 "download",
                 topic=lambda ctx: service.download_topic(ctx.result("add_torrent")["infohash"]),

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 import ledger
 from proj import db
 from proj.acquisition import qbt, service, torrents
-from proj.acquisition.models import DownloadTask
+from proj.acquisition.models import DownloadTask, TaskEvent
 from proj.engine.context import StepContext
 from proj.engine.errors import CancelRequested
 from proj.settings import get_settings
+
+UNREACHABLE = "qBittorrent unreachable"
+R = TypeVar("R")
 
 
 class TaskInput(BaseModel):
@@ -177,3 +181,46 @@ def release_torrent(task_id: uuid.UUID, infohash: str, *, delete_files: bool) ->
             qbt.client().torrents_delete(delete_files=delete_files, torrent_hashes=infohash)
             qbt.wait_unlisted(infohash)
     return None
+
+
+def note_unreachable(task_id: uuid.UUID, exc: BaseException) -> None:
+    """qBittorrent did not answer: the request's timeline says why it does not move, once per
+    outage (the step retries, or its wait parks again).
+
+    Why: a re-check that raised spent the network retry policy (1 s … 8 s) in ~15 s, so a
+    qBittorrent restarting or down for maintenance turned every downloading request into a dead
+    letter (`tests/integration/test_qbt_review.py::
+    test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks`).
+    """
+    with db.transaction() as s:
+        last = s.scalar(
+            select(TaskEvent.what)
+            .where(TaskEvent.download_task_id == task_id)
+            .order_by(TaskEvent.id.desc())
+            .limit(1)
+        )
+        if last != UNREACHABLE:
+            service.event(s, task_id, UNREACHABLE, error=str(exc)[:300])
+
+
+def while_qbittorrent_down(body: Callable[[StepContext], R]) -> Callable[[StepContext], R]:
+    """A step body that changes qBittorrent, for which qBittorrent not answering is an outage
+    (`qbt.Down`, an `Unavailable`): the step retries without spending its attempts, for up to
+    `qbt.QBT_RETRY.outage_s`, and the request's timeline says qBittorrent is unreachable.
+
+    Why: its ten attempts (about 8 min) ended in a dead letter when qBittorrent was down longer,
+    a NAS rebooting for an update or a container re-pulled over a slow link
+    (`tests/integration/test_outages.py::test_a_request_approved_while_qbittorrent_is_down_is_added_once_it_is_back`).
+    """
+
+    @functools.wraps(body)
+    def run(ctx: StepContext) -> R:
+        try:
+            return body(ctx)
+        except Exception as exc:
+            if not qbt.unreachable(exc):
+                raise
+            note_unreachable(ctx.input.download_task_id, exc)
+            raise qbt.Down(f"qBittorrent at {get_settings().qbt_url} did not answer: {exc}") from exc
+
+    return run

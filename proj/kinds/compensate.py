@@ -1,4 +1,5 @@
-"""`compensate`: after cancel or abandon, remove the torrent and every partial or temp file."""
+"""`compensate`: after cancel or abandon, remove the torrent and every partial or temp file (for a
+relocate: the copy it made)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, register, step
+from proj.kinds import relocate
 from proj.kinds.common import (
     library_path,
     library_rel,
@@ -21,6 +23,7 @@ from proj.kinds.common import (
     release_torrent,
     torrent_add,
     torrent_library_paths,
+    while_qbittorrent_down,
 )
 
 
@@ -83,7 +86,10 @@ def remove_torrent(ctx: StepContext) -> dict[str, Any]:
 
 
 def clean_files(ctx: StepContext) -> dict[str, Any]:
-    """Temp files always go; library files go unless the import was recorded (finished)."""
+    """Temp files always go; library files go unless the import was recorded (finished). A
+    relocate's: the copy the run made, unless the row points at it (`relocate.give_up`)."""
+    if ctx.input.kind == "relocate":
+        return relocate.give_up(ctx.input.run_id, ctx.input.input)
     task = _task(ctx)
     if task is None:
         return {"skipped": True}
@@ -140,7 +146,7 @@ COMPENSATE = register(
         retry=qbt.QBT_RETRY,
         input_model=CompensateInput,
         canvas=(
-            step("remove_torrent", remove_torrent),
+            step("remove_torrent", while_qbittorrent_down(remove_torrent)),
             step("clean_files", clean_files),
             step("mark", mark_compensated),
         ),

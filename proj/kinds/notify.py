@@ -9,7 +9,7 @@ import httpx
 from proj.acquisition import service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, NotDone, effect
-from proj.engine.errors import NonRetryable
+from proj.engine.errors import NonRetryable, Unavailable
 from proj.engine.kind import Kind, RetryPolicy, register, step
 from proj.kinds.common import TaskInput, load_task
 
@@ -42,7 +42,15 @@ def post_webhook(ctx: StepContext) -> dict[str, Any]:
         # A webhook cannot be asked whether it saw us; re-send with the same Idempotency-Key.
         return NotDone("re-send with the same Idempotency-Key")
 
-    result = effect(ctx, key, {"url": task.webhook_url}, do, reconcile, effect_kind="http")
+    try:
+        result = effect(ctx, key, {"url": task.webhook_url}, do, reconcile, effect_kind="http")
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise ReceiverDown(f"the webhook {task.webhook_url} did not answer: {exc}") from exc
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code not in DOWN_STATUSES:
+            raise
+        status = exc.response.status_code
+        raise ReceiverDown(f"the webhook {task.webhook_url} answered {status}: it is down") from exc
     with ctx.finish(result) as s:
         if service.advance_status(s, task.id, "notified"):  # not again on a retry
             service.event(s, task.id, "requester notified", status=result.get("status"))
@@ -59,7 +67,18 @@ def refused_for_good(status: int) -> bool:
 # attempts spent about 15 s, so an outage of a minute made the notice a dead letter; these twelve
 # wait 2 s, 4 s, … up to 10 min apart, about 40 min in all, as webhook senders commonly do
 # (`tests/integration/test_notify.py`).
-WEBHOOK_RETRY = RetryPolicy(max_attempts=12, initial_s=2.0, max_s=600.0)
+#
+# A receiver that is not there at all (refused, no connection in time, a gateway's 502/503/504)
+# is an outage (`ReceiverDown`): those attempts are not spent for up to a day, tried every
+# 10 min, so a home server down overnight still gets its notice in the morning
+# (`tests/integration/test_outages.py`). An answer that is an error (a 500, a timeout after the
+# request was sent) counts: the receiver saw the call, so sending it for a day is no kinder.
+WEBHOOK_RETRY = RetryPolicy(max_attempts=12, initial_s=2.0, max_s=600.0, outage_s=24 * 3600.0)
+DOWN_STATUSES = frozenset({502, 503, 504})
+
+
+class ReceiverDown(Unavailable):
+    """The webhook's receiver is down: an outage, not a refusal of this call."""
 
 
 NOTIFY = register(

@@ -10,7 +10,7 @@ from proj.acquisition import qbt, service
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.kind import Kind, register, sleep_until, step
-from proj.kinds.common import TaskInput, release_torrent, torrent_add
+from proj.kinds.common import TaskInput, release_torrent, torrent_add, while_qbittorrent_down
 
 
 class RetireInput(TaskInput):
@@ -55,7 +55,7 @@ RETIRE_SEED = register(
         input_model=RetireInput,
         canvas=(
             sleep_until("seed_goal", until=lambda ctx: ctx.input.seed_until),
-            step("retire", retire),
+            step("retire", while_qbittorrent_down(retire)),
         ),
         description="sleep (in Postgres) until the seeding goal, then remove the torrent",
     )

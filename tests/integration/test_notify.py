@@ -72,11 +72,12 @@ def test_a_webhook_that_refuses_the_call_is_not_sent_again(published, endpoint: 
 
 @pytest.mark.parametrize("endpoint", [[503, 429]], indirect=True)
 def test_a_webhook_that_is_down_is_sent_again_with_the_same_key(published, endpoint: Endpoint) -> None:
-    """A 503 and a 429 are an outage: the step retries, and the receiver sees one key."""
+    """A 503 is an outage (the attempt is not spent), a 429 an error worth retrying: the step
+    retries both, and the receiver sees one key."""
     ref = notify_run(endpoint.url)
     step = first_step(ref.task_run_id)
 
-    assert protocol.execute(step, starts_run=True) == "retry"
+    assert protocol.execute(step, starts_run=True) == "unavailable"
     sql("UPDATE engine.step SET next_attempt_at = now() WHERE id = %s", (step,))
     assert protocol.execute(step) == "retry"
     sql("UPDATE engine.step SET next_attempt_at = now() WHERE id = %s", (step,))
@@ -95,3 +96,21 @@ def test_the_webhook_is_retried_for_more_than_half_an_hour() -> None:
         for n in range(1, policy.max_attempts)
     )
     assert span >= 30 * 60, span
+
+
+def test_a_receiver_that_is_not_there_is_an_outage_that_spends_no_attempt(published) -> None:
+    """Nothing listens on the webhook's port (the requester's home server is off): the attempt
+    is not spent, and the run says it waits for the receiver. Before, twelve such attempts
+    (about 40 min) made the notice a dead letter."""
+    e = Endpoint([])
+    url = e.url
+    e.server.shutdown()
+    e.server.server_close()
+    ref = notify_run(url)
+    step = first_step(ref.task_run_id)
+
+    assert protocol.execute(step, starts_run=True) == "unavailable"
+
+    assert scalar("SELECT attempts - outages FROM engine.step WHERE id = %s", (step,)) == 0
+    error = scalar("SELECT last_error FROM engine.task_run WHERE id = %s", (ref.task_run_id,))
+    assert error["type"] == "ReceiverDown" and "did not answer" in error["message"], error

@@ -119,19 +119,57 @@ def test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks(proc
     task_id = start(swarm)
     added(swarm, task_id)
 
+    spent_before = download_attempts_spent()
     swarm.managed.stop()
     topic = service.download_topic(swarm.payload.infohash)
-    deadline = time.monotonic() + 22  # the whole network retry budget, and then some
-    while time.monotonic() < deadline:
+    woken = wakeups()
+    # Four re-checks that find qBittorrent down: each one that raised spent an attempt (and the
+    # policy's backoff), so spending none over four shows they park instead.
+    deadline = time.monotonic() + 30
+    while wakeups() < woken + 4 and time.monotonic() < deadline:
         runs.signal(topic)  # the hook or reconcile waking it meanwhile
         assert acquire_status() != "failed", dump_engine_state()
-        time.sleep(1.0)
+        time.sleep(0.5)
+    assert wakeups() >= woken + 4, dump_engine_state()
+    assert download_attempts_spent() == spent_before, dump_engine_state()
     assert "qBittorrent unreachable" in events(task_id)
     assert status(task_id) == "downloading"
 
     swarm.managed.restart()
     release(swarm)
     imported(procs, swarm, task_id)
+
+
+def wakeups() -> int:
+    return int(scalar("SELECT wakeups FROM engine.step WHERE name = 'download'"))
+
+
+def download_attempts_spent() -> int:
+    return int(scalar("SELECT attempts - outages FROM engine.step WHERE name = 'download'"))
+
+
+def test_a_request_approved_while_qbittorrent_is_down_is_added_once_it_is_back(procs, swarm: Swarm) -> None:
+    """qBittorrent down when the add runs: each attempt is an outage (`qbt.Down`), not spent, the
+    request's timeline and the run say why nothing moves, and the torrent is added once
+    qBittorrent is back. Before, the add's ten attempts (about 8 min) were spent on the outage
+    and a longer one left a dead letter."""
+    procs.worker("w1", concurrency=2, env=swarm.worker_env())
+    procs.beat(env=swarm.worker_env())
+    swarm.managed.stop()
+    task_id = start(swarm)
+
+    outages = "SELECT outages, attempts - outages FROM engine.step WHERE name = 'add_torrent'"
+    wait_for(lambda: (sql(outages) or [(0, 0)])[0][0] >= 2, 30, what="two attempts to meet the outage")
+    assert sql(outages)[0][1] == 0, dump_engine_state()
+    assert "qBittorrent unreachable" in events(task_id)
+    run = scalar("SELECT id FROM engine.task_run WHERE kind = 'acquire'")
+    view = runs.get(run)
+    assert view is not None and view.attempts == 0
+    assert view.last_error is not None and view.last_error["type"] == "Down", view.last_error
+
+    swarm.managed.restart()
+    imported(procs, swarm, task_id)
+    assert events(task_id).count("qBittorrent unreachable") == 1
 
 
 # ------------------------------------------------------------------ files moved by qBittorrent

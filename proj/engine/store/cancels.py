@@ -110,8 +110,8 @@ CANCEL_RUN = text(
 # those (`tests/integration/test_ops_review.py`).
 RETRY_FAILED_STEPS = text(
     """
-    UPDATE engine.step s SET status = 'pending', attempts = 0, next_attempt_at = now(),
-           published_at = now(), finished_at = NULL
+    UPDATE engine.step s SET status = 'pending', attempts = 0, outages = 0, outage_since = NULL,
+           next_attempt_at = now(), published_at = now(), finished_at = NULL
       FROM engine.task_run r
      WHERE s.run_id = :id AND s.status IN ('failed', 'pending')
        AND r.id = s.run_id AND r.status = 'failed' AND r.cancel_requested_at IS NULL

@@ -14,7 +14,8 @@ fenced one returns None or False when the commit was refused.
 | `succeed_and_publish_next` | running → succeeded; next single step pending, published | pointer moved |
 | `succeed_and_claim_next_batch` | each of a chunk as `succeed_and_claim_next` | each pointer moved |
 | `succeed_and_finish` | running → succeeded | → succeeded with the result |
-| `fail_or_retry` | running → failed (final) or pending after a backoff | |
+| `fail_or_retry` | running → failed (final, or attempts spent) or pending after a backoff | |
+| `retry_outage` | running → pending after a backoff, the attempt not spent (an outage) | |
 | `record_retry_error` | | `last_error` of the retried attempt (a live run only) |
 | `cancel_step` | running → canceled (the body stopped on a cancel request) | |
 | `fail_run` | | live, no cancel asked → failed (a dead letter) |
@@ -45,6 +46,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from proj import db
+from proj.engine.status import StepStatus
 from proj.engine.store.rows import changed
 from proj.engine.store.stages import EndedRun, LockedRun, NextStep
 
@@ -218,16 +220,38 @@ SUCCEED_AND_FINISH = text(
     """
 )
 
+# The attempt counts: the step fails when told to (`:final`) or when its spent attempts reach
+# `:budget`, else it waits `:delay` seconds. Spent is `attempts - outages` (an attempt that waited
+# out an outage is not spent, `RETRY_OUTAGE`). An error that is not an outage (`:outage` false)
+# ends the outage the step was waiting out; one past its window keeps its start, so that every
+# later attempt of that outage counts too (else each counted one would open a fresh window).
 FAIL_OR_RETRY = text(
     """
     UPDATE engine.step
-       SET status = CASE WHEN :final THEN 'failed' ELSE 'pending' END,
-           next_attempt_at = now() + make_interval(secs => :delay),
+       SET status = CASE WHEN :final OR attempts - outages >= :budget THEN 'failed' ELSE 'pending' END,
+           next_attempt_at = CASE WHEN :final OR attempts - outages >= :budget THEN now()
+                                  ELSE now() + make_interval(secs => :delay) END,
            error = CAST(:err AS jsonb), lease_token = NULL, lease_until = NULL,
-           published_at = NULL,
-           finished_at = CASE WHEN :final THEN now() ELSE NULL END
+           published_at = NULL, outage_since = CASE WHEN :outage THEN outage_since END,
+           finished_at = CASE WHEN :final OR attempts - outages >= :budget THEN now() ELSE NULL END
      WHERE id = :id AND lease_token = :tok AND status = 'running'
-    RETURNING id
+    RETURNING status, attempts - outages AS spent
+    """
+)
+
+# A service the step needs is down (`errors.Unavailable`): the step waits `:delay` seconds and
+# the attempt is not spent (`outages` + 1), while the outage it is waiting out (`outage_since`,
+# set by its first such attempt) is younger than `:window` seconds. No row back: the lease is
+# gone, or the outage is older than its window and the attempt counts (`FAIL_OR_RETRY`).
+RETRY_OUTAGE = text(
+    """
+    UPDATE engine.step
+       SET status = 'pending', next_attempt_at = now() + make_interval(secs => :delay),
+           error = CAST(:err AS jsonb), lease_token = NULL, lease_until = NULL,
+           published_at = NULL, outages = outages + 1, outage_since = coalesce(outage_since, now())
+     WHERE id = :id AND lease_token = :tok AND status = 'running'
+       AND (outage_since IS NULL OR outage_since > now() - make_interval(secs => :window))
+    RETURNING outage_since, attempts - outages AS spent
     """
 )
 
@@ -383,13 +407,57 @@ def succeed_and_finish(
     )
 
 
+class Failed(NamedTuple):
+    """`FAIL_OR_RETRY`'s row: the step's new status (`failed`, or `pending` for its next
+    attempt) and the attempts it has spent."""
+
+    status: StepStatus
+    spent: int
+
+
+class Outage(NamedTuple):
+    """`RETRY_OUTAGE`'s row: since when the step has been waiting out the outage, and the
+    attempts it has spent (this one not among them)."""
+
+    since: datetime
+    spent: int
+
+
 def fail_or_retry(
-    s: Session, *, step_id: int, token: uuid.UUID, final: bool, delay: float, err: Mapping[str, Any]
-) -> bool:
-    """The attempt failed: the step fails (`final`) or waits `delay` seconds for its next
-    attempt; False: refused (nothing written)."""
-    params = {"final": final, "delay": delay, "err": json.dumps(err), "id": step_id, "tok": token}
-    return s.execute(FAIL_OR_RETRY, params).first() is not None
+    s: Session,
+    *,
+    step_id: int,
+    token: uuid.UUID,
+    final: bool,
+    budget: int,
+    delay: float,
+    err: Mapping[str, Any],
+    outage: bool = False,
+) -> Failed | None:
+    """The attempt failed and counts: the step fails (`final`, or its spent attempts reached
+    `budget`) or waits `delay` seconds for its next attempt; None: refused (nothing written).
+    `outage`: the error was an outage past its window (it does not end the outage)."""
+    params = {
+        "final": final,
+        "budget": budget,
+        "delay": delay,
+        "err": json.dumps(err),
+        "id": step_id,
+        "tok": token,
+        "outage": outage,
+    }
+    row = s.execute(FAIL_OR_RETRY, params).first()
+    return None if row is None else Failed(StepStatus(row.status), row.spent)
+
+
+def retry_outage(
+    s: Session, *, step_id: int, token: uuid.UUID, delay: float, window: float, err: Mapping[str, Any]
+) -> Outage | None:
+    """The attempt met an outage: the step waits `delay` seconds, the attempt not spent; None:
+    refused, or the outage outlasted `window` seconds (then `fail_or_retry` decides)."""
+    params = {"delay": delay, "window": window, "err": json.dumps(err), "id": step_id, "tok": token}
+    row = s.execute(RETRY_OUTAGE, params).first()
+    return None if row is None else Outage(row.outage_since, row.spent)
 
 
 def record_retry_error(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) -> bool:

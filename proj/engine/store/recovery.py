@@ -34,7 +34,8 @@ SWEEP_LOCK = 0x5EE9_0001
 LOCK_SWEEP = text("SELECT pg_advisory_xact_lock(:k)")
 TRY_LOCK_SWEEP = text("SELECT pg_try_advisory_xact_lock(:k)")
 
-# A step whose attempts are spent fails its run, which needs the run's kind: one of a version this
+# A step whose attempts are spent (`attempts - outages`: an attempt that waited out an outage is
+# not spent, migration 0014) fails its run, which needs the run's kind: one of a version this
 # process does not know is left expired for a sweep that knows it (failed here, its run stayed live
 # with nothing to end it). One with attempts left only goes back to `pending`, whatever its kind.
 # The expired attempts are logged as orphans (`outcome` NULL) from what their step rows said
@@ -44,7 +45,7 @@ EXPIRE_LEASES = text(
     WITH gone AS MATERIALIZED (
         SELECT id, attempts, lease_token, lease_owner, claimed_at FROM engine.step st
          WHERE status = 'running' AND lease_until < now()
-           AND (attempts < max_attempts OR EXISTS (
+           AND (attempts - outages < max_attempts OR EXISTS (
                 SELECT 1 FROM engine.task_run r
                  WHERE r.id = st.run_id
                    AND (r.kind, r.version) IN (SELECT * FROM unnest(CAST(:known_kinds AS text[]),
@@ -57,7 +58,7 @@ EXPIRE_LEASES = text(
          WHERE lease_token IS NOT NULL
     )
     UPDATE engine.step s
-       SET status = CASE WHEN s.attempts >= s.max_attempts THEN 'failed' ELSE 'pending' END,
+       SET status = CASE WHEN s.attempts - s.outages >= s.max_attempts THEN 'failed' ELSE 'pending' END,
            error = jsonb_build_object('type', 'LeaseExpired', 'message',
                    'worker ' || coalesce(s.lease_owner, '?') || ' stopped renewing its lease'),
            lease_token = NULL, lease_until = NULL, published_at = NULL,

@@ -24,19 +24,20 @@ from sqlalchemy.orm import Session
 
 from proj.engine.status import RunStatus
 
-# The port's `get`: the run, with what its current stage's steps say (attempts, the topic and
-# timer it waits on, why it is not moving).
+# The port's `get`: the run, with what its current stage's steps say (attempts spent, the topic
+# and timer it waits on, why it is not moving: an outage it waits out, migration 0014).
 VIEW = text(
     """
     SELECT r.*, st.attempts AS step_attempts, st.wait_topic, st.wait_until,
-           st.pending_since, st.due_at, st.blocked_reason, now() AS db_now
+           st.pending_since, st.due_at, st.blocked_reason, st.outage_since, now() AS db_now
       FROM engine.task_run r
       LEFT JOIN LATERAL (
-           SELECT max(attempts) AS attempts, max(wait_topic) AS wait_topic,
+           SELECT max(attempts - outages) AS attempts, max(wait_topic) AS wait_topic,
                   min(wait_until) AS wait_until,
                   min(created_at) FILTER (WHERE status = 'pending') AS pending_since,
                   min(next_attempt_at) FILTER (WHERE status = 'pending') AS due_at,
-                  max(blocked_reason) FILTER (WHERE status = 'pending') AS blocked_reason
+                  max(blocked_reason) FILTER (WHERE status = 'pending') AS blocked_reason,
+                  min(outage_since) FILTER (WHERE status = 'pending') AS outage_since
              FROM engine.step
             WHERE run_id = r.id AND stage = r.current_stage) st ON true
      WHERE r.id = :id
@@ -67,6 +68,7 @@ class RunViewRow(NamedTuple):
     pending_since: datetime | None
     due_at: datetime | None
     blocked_reason: str | None
+    outage_since: datetime | None
     db_now: datetime
 
 
@@ -96,6 +98,7 @@ def view(s: Session, run_id: uuid.UUID) -> RunViewRow | None:
         pending_since=r.pending_since,
         due_at=r.due_at,
         blocked_reason=r.blocked_reason,
+        outage_since=r.outage_since,
         db_now=r.db_now,
     )
 

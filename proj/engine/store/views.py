@@ -80,8 +80,8 @@ RUNNING_PROGRESS = text(
 
 STAGE_COUNTS = text(
     """
-    SELECT stage, name, status, count(*) AS n, max(attempts) AS attempts,
-           max(max_attempts) AS max_attempts
+    SELECT stage, name, status, count(*) AS n, max(attempts - outages) AS attempts,
+           max(max_attempts) AS max_attempts, max(outages) AS outages
       FROM engine.step WHERE run_id = :id
      GROUP BY stage, name, status ORDER BY stage, name
     """
@@ -103,7 +103,8 @@ DEAD_LETTERS = text(
 
 FAILED_STEPS = text(
     """
-    SELECT name, item_index, attempts, max_attempts, error, finished_at FROM engine.step
+    SELECT name, item_index, attempts - outages AS attempts, max_attempts, error, finished_at, outages
+      FROM engine.step
      WHERE run_id = :id AND status = 'failed' ORDER BY stage, item_index
     """
 )
@@ -256,7 +257,8 @@ class StepProgress(NamedTuple):
 
 
 class StageCount(NamedTuple):
-    """How many of a stage's items are in one status, and the most attempts any of them took."""
+    """How many of a stage's items are in one status, the most attempts any of them spent, and
+    the most it tried during outages, not spent (`errors.Unavailable`, migration 0014)."""
 
     stage: int
     name: str
@@ -264,6 +266,7 @@ class StageCount(NamedTuple):
     n: int
     attempts: int | None
     max_attempts: int | None
+    outages: int | None = None
 
 
 class ParkedStep(NamedTuple):
@@ -275,12 +278,15 @@ class ParkedStep(NamedTuple):
 
 
 class FailedStep(NamedTuple):
+    """A failed step: the attempts it spent, and those tried during outages (not spent)."""
+
     name: str
     item_index: int
     attempts: int
     max_attempts: int
     error: dict[str, Any] | None
     finished_at: datetime | None
+    outages: int = 0
 
 
 class VersionCount(NamedTuple):
@@ -497,7 +503,7 @@ def running_progress(s: Session, run_id: uuid.UUID) -> list[StepProgress]:
 def stage_counts(s: Session, run_id: uuid.UUID) -> list[StageCount]:
     """The run's steps per stage, name and status, in stage order."""
     return [
-        StageCount(r.stage, r.name, StepStatus(r.status), int(r.n), r.attempts, r.max_attempts)
+        StageCount(r.stage, r.name, StepStatus(r.status), int(r.n), r.attempts, r.max_attempts, r.outages)
         for r in s.execute(STAGE_COUNTS, {"id": run_id})
     ]
 
@@ -516,7 +522,7 @@ def dead_letters(s: Session, limit: int) -> list[Run]:
 def failed_steps(s: Session, run_id: uuid.UUID) -> list[FailedStep]:
     """The run's failed steps, in stage and item order."""
     return [
-        FailedStep(r.name, r.item_index, r.attempts, r.max_attempts, r.error, r.finished_at)
+        FailedStep(r.name, r.item_index, r.attempts, r.max_attempts, r.error, r.finished_at, r.outages)
         for r in s.execute(FAILED_STEPS, {"id": run_id})
     ]
 
