@@ -12,7 +12,10 @@ Create Date: 2026-12-07
 - `engine.step.outage_since`: when the outage the step is waiting out began (NULL: none). An
   outage longer than the policy's `outage_s` counts its attempts again.
 
-Both are constant defaults: nothing is rewritten on PostgreSQL 11 and later.
+- `step_outage_idx`, partial on `outage_since IS NOT NULL`: `/metrics` reads the steps waiting
+  out an outage at every scrape (`proj_steps_in_outage`); the index holds only those.
+
+Both columns are constant defaults: nothing is rewritten on PostgreSQL 11 and later.
 """
 
 from alembic import op
@@ -28,7 +31,9 @@ def upgrade() -> None:
         "ALTER TABLE engine.step ADD COLUMN outages INTEGER NOT NULL DEFAULT 0, "
         "ADD COLUMN outage_since TIMESTAMP WITH TIME ZONE"
     )
+    op.execute("CREATE INDEX step_outage_idx ON engine.step (outage_since) WHERE outage_since IS NOT NULL")
 
 
 def downgrade() -> None:
+    op.execute("DROP INDEX engine.step_outage_idx")
     op.execute("ALTER TABLE engine.step DROP COLUMN outages, DROP COLUMN outage_since")

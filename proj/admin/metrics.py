@@ -123,6 +123,7 @@ class Snapshot:
     lease_recoveries: int
     workers_alive: int
     history: History | None = None
+    outages: list[stats.OutageCount] = field(default_factory=list)
     outbox: dict[str, int] | None = None  # None: the outbox table is not migrated
     outbox_oldest_pending_s: float = 0.0
     queues: dict[str, int] | None = None  # None: the broker did not answer
@@ -196,6 +197,7 @@ def read_snapshot(engine: Engine, settings: Settings, *, overview: bool = False)
                 steps=stats.step_counts(conn),
                 lease_recoveries=stats.lease_recoveries(conn),
                 workers_alive=stats.workers_alive(conn),
+                outages=stats.steps_in_outage(conn),
                 minutes=stats.finished_per_minute(conn) if overview else [],
                 now=stats.database_now(conn) if overview else None,
             )
@@ -425,6 +427,27 @@ def _database_families(snap: Snapshot | None) -> Iterator[Metric]:
     if snap is not None:
         _fill(snap, runs, steps, dead, outbox, oldest, recov, durations, wakes, workers)
     yield from (runs, steps, dead, outbox, oldest, recov, durations, wakes, workers)
+    yield from _outage_families(snap)
+
+
+def _outage_families(snap: Snapshot | None) -> Iterator[Metric]:
+    """Steps waiting out an outage of a service they need (qBittorrent, a webhook), and for
+    how long: an operator alerts on the age, since such a step spends no attempt and no dead
+    letter comes for up to its policy's `outage_s` (`tests/integration/test_outages.py`)."""
+    n = GaugeMetricFamily(
+        "proj_steps_in_outage",
+        "Live steps retrying without spending attempts: a service they need is down",
+        labels=["kind", "step"],
+    )
+    age = GaugeMetricFamily(
+        "proj_outage_oldest_seconds",
+        "How long the oldest such step has been waiting out its outage",
+        labels=["kind", "step"],
+    )
+    for o in snap.outages if snap is not None else []:
+        n.add_metric([o.kind, o.step], o.n)
+        age.add_metric([o.kind, o.step], o.oldest_s)
+    yield from (n, age)
 
 
 def _fill(snap: Snapshot, runs: GaugeMetricFamily, steps: GaugeMetricFamily, dead: GaugeMetricFamily,

@@ -159,6 +159,7 @@ class Step(Base):
         ),
         Index("step_running_run_idx", "run_id", postgresql_where=text("status = 'running'")),
         Index("step_signalled_idx", "signalled_at", postgresql_where=text("signalled_at IS NOT NULL")),
+        Index("step_outage_idx", "outage_since", postgresql_where=text("outage_since IS NOT NULL")),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)

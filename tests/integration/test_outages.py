@@ -15,11 +15,15 @@ against a real qBittorrent that is down, then back.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
+from proj.admin.app import create_app
 from proj.engine import protocol, runs, sweeper
 from tests.conftest import new_key
+from tests.integration.test_metrics import samples, settings_for, value
 from tests.support.services import scalar, sql
 from tests.support.steps import first_step
 
@@ -126,6 +130,24 @@ def test_a_lease_lost_during_an_outage_leaves_the_outage_attempts_unspent(publis
     assert step_row(step)[:3] == ("pending", 3, 2)
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (run,)) == "running"
     assert again(step) == "succeeded"
+
+
+def test_metrics_show_the_steps_waiting_out_an_outage_and_for_how_long(published, tmp_path: Path) -> None:
+    """No dead letter comes for a day, so an operator alerts on the outage's age instead."""
+    _, step = enqueue("UU.")
+    assert protocol.execute(step, starts_run=True) == "unavailable"
+    sql("UPDATE engine.step SET outage_since = now() - interval '10 minutes' WHERE id = %s", (step,))
+
+    with TestClient(create_app(settings_for(tmp_path))) as c:
+        got = samples(c.get("/metrics").text)
+    assert value(got, "proj_steps_in_outage", kind="outage", step="call") == 1
+    assert value(got, "proj_outage_oldest_seconds", kind="outage", step="call") >= 600
+
+    assert again(step) == "unavailable"
+    assert again(step) == "succeeded"
+    with TestClient(create_app(settings_for(tmp_path))) as c:
+        got = samples(c.get("/metrics").text)
+    assert not [k for k in got if k[0] == "proj_steps_in_outage"], got
 
 
 @pytest.mark.parametrize("kind", ["acquire", "retire_seed", "compensate", "notify"])

@@ -73,6 +73,20 @@ STEP_COUNTS = text(
            (SELECT count(*) FROM engine.step WHERE status = 'waiting') AS waiting
     """
 )
+# Steps waiting out an outage of a service they need (`errors.Unavailable`, migration 0014), per
+# kind and step, with the oldest outage's age: one probe of `step_outage_idx`, which holds only
+# those steps. A dead letter's step past its window keeps `outage_since`: only live runs count.
+STEPS_IN_OUTAGE = text(
+    """
+    SELECT r.kind, s.name, count(*) AS n,
+           extract(epoch FROM now() - min(s.outage_since)) AS oldest_s
+      FROM engine.step s JOIN engine.task_run r ON r.id = s.run_id
+     WHERE s.outage_since IS NOT NULL AND s.status IN ('pending', 'running')
+       AND r.status IN ('pending', 'running', 'waiting')
+     GROUP BY r.kind, s.name
+     ORDER BY r.kind, s.name
+    """
+)
 # Worker processes holding their liveness session (`proj.engine.liveness`): the database's own
 # view of who can claim, no broker round trip. 0 when `REAP_INTERVAL_S=0` (no sessions).
 WORKERS_ALIVE = text(
@@ -170,6 +184,16 @@ class StepCounts:
 
 
 @dataclass(frozen=True)
+class OutageCount:
+    """Steps of one kind and step name waiting out an outage, and how long the oldest has."""
+
+    kind: str
+    step: str
+    n: int
+    oldest_s: float
+
+
+@dataclass(frozen=True)
 class MinuteCount:
     minute: datetime
     status: str
@@ -229,6 +253,11 @@ def step_counts(s: Executor) -> StepCounts:
     """Live steps by status (`proj_steps`)."""
     row = s.execute(STEP_COUNTS).one()
     return StepCounts(pending=int(row.pending), running=int(row.running), waiting=int(row.waiting))
+
+
+def steps_in_outage(s: Executor) -> list[OutageCount]:
+    """Live steps waiting out an outage, per kind and step (`proj_steps_in_outage`)."""
+    return [OutageCount(r.kind, r.name, int(r.n), float(r.oldest_s)) for r in s.execute(STEPS_IN_OUTAGE)]
 
 
 def workers_alive(s: Executor) -> int:
