@@ -124,6 +124,16 @@ class Settings(BaseSettings):
     copy_chunk_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     periodic_reconcile_s: float = Field(default=300.0, gt=0)
     periodic_verify_s: float = Field(default=24 * 3600.0, gt=0)
+    verify_cycle_runs: int = Field(
+        default=30,
+        ge=1,
+        description="verify_library re-hashes each library file once every N runs at least (1: every run)",
+    )
+    verify_min_hash_bytes: int = Field(
+        default=64 * 1024**3,
+        ge=0,
+        description="and at least this many bytes per run (a library this small: whole, each run)",
+    )
     periodic_purge_s: float = Field(default=24 * 3600.0, gt=0)
     retention_days: float = Field(default=30.0, ge=0)
     qbt_url: str | None = None

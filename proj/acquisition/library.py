@@ -271,3 +271,35 @@ def remove_temp_files(dst: Path, keep: Collection[Path] = ()) -> int:
         p.unlink(missing_ok=True)
         n += 1
     return n
+
+
+def file_id(path: Path) -> dict[str, int]:
+    """The (device, inode) naming the file now at `path`: what a copy records to know its file later."""
+    st = path.stat()
+    return {"dev": st.st_dev, "ino": st.st_ino}
+
+
+def remove_if_same_file(path: Path, dev: int, ino: int) -> bool:
+    """Remove `path` only if it is still the file (`dev`, `ino`) a copy made; whether it was.
+
+    Why: a relocate given up (its compensation) or refused at its switch must remove the copy it
+    made and nothing else, while a later relocate to the same root may put its own file at the
+    same path at any moment (`copy_file`'s rename). The file is first renamed aside (a temp name
+    of its own, atomic), so the inode checked is the inode removed; a file that is not ours goes
+    back unless a newer one took its place meanwhile
+    (`tests/integration/test_library_leftovers.py::test_giving_up_a_relocate_removes_only_the_file_it_copied`).
+    """
+    aside = temp_path(path, os.urandom(TOKEN_CHARS // 2).hex())
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    st = aside.stat()
+    if (st.st_dev, st.st_ino) == (dev, ino):
+        aside.unlink()
+        _fsync_dir(path.parent)
+        return True
+    with contextlib.suppress(FileExistsError):  # a newer file took the path: this one is stale
+        os.link(aside, path)
+    aside.unlink()
+    return False

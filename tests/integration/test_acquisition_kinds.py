@@ -414,8 +414,11 @@ def test_verify_library_flags_corruption_and_reimports(procs, swarm: Swarm, webh
     wait_ok(procs, lambda: run_status(reimport_key) == "succeeded", 60, "the re-import")
 
     # verify_library saw it: one corrupt of two, a flag, an event, a re-import through the outbox.
+    library_bytes = scalar("SELECT sum(size) FROM acq.library_item WHERE download_task_id = %s", (task_id,))
     assert scalar("SELECT result FROM engine.task_run WHERE id = %s", (verify_run,)) == {
         "checked": 2,
+        "hashed": 2,  # a library under VERIFY_MIN_HASH_BYTES is re-hashed whole every run
+        "hashed_bytes": library_bytes,
         "corrupt": 1,
     }
     assert sql("SELECT kind, subject FROM acq.flag") == [("corrupt_file", str(item_id))]
@@ -446,6 +449,8 @@ def test_verify_library_flags_corruption_and_reimports(procs, swarm: Swarm, webh
     wait_ok(procs, lambda: run_status(f"verify_library:{bucket + 1}") == "succeeded", 30, "verify again")
     assert scalar("SELECT result FROM engine.task_run WHERE id = %s", (again,)) == {
         "checked": 2,
+        "hashed": 2,
+        "hashed_bytes": library_bytes,
         "corrupt": 0,
     }
 
@@ -534,10 +539,8 @@ def test_relocate_moves_a_library_item_and_back_and_again(procs, swarm: Swarm, t
     # verify_library follows the item to its new root.
     verify = enqueue_periodic("verify_library", 1)
     wait_ok(procs, lambda: run_status("verify_library:1") == "succeeded", 30, "verify")
-    assert scalar("SELECT result FROM engine.task_run WHERE id = %s", (verify,)) == {
-        "checked": 2,
-        "corrupt": 0,
-    }
+    result = scalar("SELECT result FROM engine.task_run WHERE id = %s", (verify,))
+    assert (result["checked"], result["hashed"], result["corrupt"]) == (2, 2, 0), result
 
 
 def test_relocate_input_must_name_an_absolute_root() -> None:

@@ -1,0 +1,254 @@
+"""What the library kinds leave behind when a run does not go its whole way: a relocate given up
+after its copy, a relocate that meets a repair of its item, and corruption that keeps a file's
+size and mtime (`proj/kinds/relocate.py`, `proj/kinds/compensate.py`,
+`proj/kinds/verify_library.py`). Each test here failed on the code before its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from psycopg.types.json import Jsonb
+
+import proj.celery  # noqa: F401 - registers every kind
+from proj.engine import runs
+from proj.kinds import relocate as relocate_kind
+from tests.acq_fixtures import *  # noqa: F403
+from tests.integration.test_library_review import enqueue_periodic, imported_task, make_torrent
+from tests.integration.test_library_review import run_status as status_of_key
+from tests.integration.test_relocate_overlap import (
+    REL,
+    copies,
+    copy_underway,
+    library_item,
+    relocate,
+    sha256,
+    wait_ended,
+)
+from tests.support.services import scalar, sql, wait_for
+
+SLOW_SMALL_COPY = {"COPY_CHUNK_BYTES": "16384", "FAULT_CHUNK_DELAY_S": "0.04"}  # 1 MiB in 2.6 s
+
+
+def rot_in_place(path: Path, at: int = 1000) -> None:
+    """Bit rot as a disk (or a tool run under `touch -r`) leaves it: 16 bytes flipped in the same
+    inode, the size and the mtime as they were."""
+
+    def stamp() -> tuple[int, int, int]:
+        st = path.stat()
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    before, atime = stamp(), path.stat().st_atime_ns
+    with path.open("r+b") as f:
+        f.seek(at)
+        block = f.read(16)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in block))
+    os.utime(path, ns=(atime, before[2]))
+    assert stamp() == before
+
+
+def last_error(run_id: uuid.UUID) -> str:
+    return str(scalar("SELECT last_error FROM engine.task_run WHERE id = %s", (run_id,)))
+
+
+def compensation_done(procs, run_id: uuid.UUID) -> None:  # noqa: ANN001 - conftest fixture
+    key = f"compensate:{run_id}"
+    assert status_of_key(key) is not None, "no compensation was enqueued for the run given up"
+    wait_for(lambda: status_of_key(key) in ("succeeded", "failed"), 60, what="the compensation")
+    assert status_of_key(key) == "succeeded", scalar(
+        "SELECT last_error FROM engine.task_run WHERE idempotency_key = %s", (key,)
+    )
+
+
+# ------------------------------------------------------- a relocate given up between copy and switch
+
+
+def test_a_relocate_canceled_after_its_copy_removes_that_copy(procs, tmp_path: Path) -> None:
+    """The copy to B is whole (the worker died right after it, before the switch) and the
+    operator cancels. Before: relocate had no compensation, so B kept a full copy nothing
+    pointed at, for good. Now the cancel's compensation removes the copy this run made; the
+    row and the original in A are untouched."""
+    a, b = tmp_path / "lib-a", tmp_path / "lib-b"
+    item_id, task_id, digest = library_item(a, size=1024 * 1024)
+    procs.worker(
+        "victim", concurrency=1, env={"FAULT_KILL_AFTER_EFFECT": "file", "FAULT_KILL_SCOPE": "group"}
+    )
+    run_id = relocate(item_id, b)
+    wait_for(lambda: procs.procs["victim"].poll() is not None, 60, what="the worker to die after its copy")
+    assert copies(task_id, b) == [b / str(task_id) / REL], "the copy is whole, the switch never ran"
+
+    runs.cancel(run_id, "not that disk after all")
+    procs.worker("w1", concurrency=1)
+    procs.beat()
+    assert wait_ended(procs, run_id) == "canceled"
+    compensation_done(procs, run_id)
+
+    assert copies(task_id, b) == [], "the canceled relocate left its copy behind"
+    assert scalar("SELECT root FROM acq.library_item WHERE id = %s", (item_id,)) == str(a)
+    assert copies(task_id, a) == [a / str(task_id) / REL]
+    assert sha256(a / str(task_id) / REL) == digest
+
+
+def test_giving_up_a_relocate_removes_only_the_file_it_copied(tmp_path: Path) -> None:
+    """The compensation decides by what the copy recorded (its file's device and inode), never
+    by path alone: a file another run has since put at the same path stays, and so does a
+    file the row points at. Before: there was nothing to give up with (no compensation)."""
+    a, b = tmp_path / "lib-a", tmp_path / "lib-b"
+    item_id, task_id, _ = library_item(a, size=4096)
+    ours, theirs, pointed = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    target = b / str(task_id) / REL
+    target.parent.mkdir(parents=True)
+
+    def copied_by(run_id: uuid.UUID) -> None:
+        """A whole copy at `target` and its ledger record, as relocate's copy step leaves them."""
+        fresh = target.with_name("fresh")  # a new file renamed into place, as `copy_file` does
+        fresh.write_bytes((a / str(task_id) / REL).read_bytes())
+        fresh.replace(target)
+        st = target.stat()
+        result = {"path": str(target), "dev": st.st_dev, "ino": st.st_ino}
+        sql(
+            """
+            INSERT INTO ledger.asset_operation
+                   (op_key, run_id, step, effect_kind, plan, status, attempts, attempt_token,
+                    attempt_started_at, result, resolution, finished_at)
+            VALUES (%s, %s, 'copy', 'file', %s, 'done', 1, %s, now(), %s, 'effect', now())
+            """,
+            (
+                f"relocate:{item_id}:{run_id}",
+                run_id,
+                Jsonb({"src": str(a / str(task_id) / REL), "dst": str(target)}),
+                uuid.uuid4(),
+                Jsonb(result),
+            ),
+        )
+
+    inp = {"library_item_id": item_id, "new_root": str(b)}
+    copied_by(ours)
+    copied_by(theirs)  # a later run's copy took the path (a new inode)
+    assert relocate_kind.give_up(ours, inp)["copy"] == "kept"
+    assert target.exists()
+
+    assert relocate_kind.give_up(theirs, inp)["copy"] == "removed"
+    assert not target.exists()
+
+    copied_by(pointed)
+    sql("UPDATE acq.library_item SET root = %s WHERE id = %s", (str(b), item_id))
+    assert relocate_kind.give_up(pointed, inp)["copy"] == "kept"
+    assert target.exists(), "the file the row points at is never removed"
+    assert relocate_kind.give_up(uuid.uuid4(), inp) == {"skipped": True, "reason": "nothing was copied"}
+
+
+# --------------------------------------------------------- a relocate meeting a repair of its item
+
+
+def test_a_relocate_of_an_item_flagged_for_repair_refuses_its_switch_and_removes_its_copy(
+    procs, tmp_path: Path
+) -> None:
+    """While A → B copies, the file in A rots behind the part already copied; `verify_library`
+    flags the item and queues its re-import. Before: the switch (a compare-and-set on the root
+    alone) moved the row under the repair to B and deleted A, so a re-import that had already
+    chosen A recorded A again and left B's copy orphaned (or the row pointing at a deleted
+    file). Now the switch is refused while the item is flagged: the run fails saying so, removes
+    the copy it made, and the re-import repairs the file where it lies."""
+    downloads, a, b = tmp_path / "downloads", tmp_path / "lib-a", tmp_path / "lib-b"
+    files = {"big.bin": os.urandom(1024 * 1024)}
+    t = make_torrent(downloads, "Show", files)
+    task_id = imported_task(t, files, {"big.bin": a})
+    item_id = scalar("SELECT id FROM acq.library_item WHERE download_task_id = %s", (task_id,))
+    original = a / str(task_id) / "Show" / "big.bin"
+    env = {"LIBRARY_ROOT": str(a), "DOWNLOAD_DIR": str(downloads)}
+    procs.worker("slow", concurrency=1, env={**env, **SLOW_SMALL_COPY})  # relocate, then the re-import
+    procs.worker("verifier", concurrency=1, env={**env, "ENGINE_SERVE": "verify_library@1"})
+    procs.beat(env=env)
+
+    run_id = relocate(item_id, b)
+    wait_for(lambda: copy_underway(run_id), 30, what="the copy to be underway")
+    part = b / str(task_id) / "Show"
+    wait_for(
+        lambda: any(p.stat().st_size > 64 * 1024 for p in part.glob(".big.bin.part-*")),
+        30,
+        what="the copy to be past the first 64 KiB",
+    )
+    rot_in_place(original)
+    verify = enqueue_periodic("verify_library", 21)
+    assert wait_ended(procs, verify) == "succeeded"
+    assert scalar("SELECT status FROM acq.library_item WHERE id = %s", (item_id,)) == "corrupt"
+    assert copy_underway(run_id), "the flag landed while the copy was still running"
+
+    assert wait_ended(procs, run_id) == "failed"
+    error = last_error(run_id)
+    assert "corrupt" in error and "re-import" in error, error
+    assert copies(task_id, b) == [], "the refused switch left its copy behind"
+
+    key = f"reimport:{task_id}:21"
+    wait_for(lambda: status_of_key(key) in ("succeeded", "failed"), 60, what="the re-import")
+    assert status_of_key(key) == "succeeded"
+    assert sql("SELECT root, status FROM acq.library_item WHERE id = %s", (item_id,)) == [(str(a), "ok")]
+    assert sha256(original) == sha256(downloads / "Show" / "big.bin")
+    assert copies(task_id, b) == []
+
+
+# --------------------------------------------------- corruption that keeps the size and the mtime
+
+
+def test_verify_library_finds_rot_that_keeps_size_and_mtime_within_its_cycle(procs, tmp_path: Path) -> None:
+    """A file rots in place: same inode, size and mtime. Each run stats every file and re-hashes
+    the least recently verified ones, about 1/VERIFY_CYCLE_RUNS of the library's bytes, so the
+    rot is found within that many runs and no run reads the whole library. Before: every run
+    read every byte (days for a multi-TB library, every day)."""
+    lib = tmp_path / "lib"
+    items = [library_item(lib, size=256 * 1024) for _ in range(4)]
+    victim_id, victim_task, _ = items[2]  # verified third: not in the first run's half
+    rot_in_place(lib / str(victim_task) / REL)
+    env = {"LIBRARY_ROOT": str(lib), "VERIFY_CYCLE_RUNS": "2", "VERIFY_MIN_HASH_BYTES": "0"}
+    procs.worker("w1", concurrency=1, env=env)
+    procs.beat(env=env)
+
+    first = enqueue_periodic("verify_library", 31)
+    assert wait_ended(procs, first) == "succeeded"
+    assert scalar("SELECT result FROM engine.task_run WHERE id = %s", (first,)) == {
+        "checked": 4,
+        "hashed": 2,
+        "hashed_bytes": 512 * 1024,
+        "corrupt": 0,
+    }
+    hashed = {i for (i,) in sql("SELECT id FROM acq.library_item WHERE verified_at IS NOT NULL")}
+    assert hashed == {items[0][0], items[1][0]}
+
+    second = enqueue_periodic("verify_library", 32)
+    assert wait_ended(procs, second) == "succeeded"
+    assert scalar("SELECT result FROM engine.task_run WHERE id = %s", (second,)) == {
+        "checked": 4,
+        "hashed": 2,
+        "hashed_bytes": 512 * 1024,
+        "corrupt": 1,
+    }
+    assert dict(sql("SELECT id, status FROM acq.library_item")) == {
+        i: ("corrupt" if i == victim_id else "ok") for i, _, _ in items
+    }
+    assert sql("SELECT kind, subject FROM acq.flag") == [("corrupt_file", str(victim_id))]
+
+
+def test_verify_library_finds_a_truncated_or_missing_file_in_the_next_run(procs, tmp_path: Path) -> None:
+    """What a stat can tell (a file gone, or of another size) is checked for every file in every
+    run, whatever the hashing budget: only the bytes-only damage waits for its turn."""
+    lib = tmp_path / "lib"
+    items = [library_item(lib, size=64 * 1024) for _ in range(4)]
+    (lib / str(items[2][1]) / REL).unlink()
+    with (lib / str(items[3][1]) / REL).open("r+b") as f:
+        f.truncate(1000)
+    env = {"LIBRARY_ROOT": str(lib), "VERIFY_CYCLE_RUNS": "4", "VERIFY_MIN_HASH_BYTES": "0"}
+    procs.worker("w1", concurrency=1, env=env)
+    procs.beat(env=env)
+
+    run_id = enqueue_periodic("verify_library", 41)
+    assert wait_ended(procs, run_id) == "succeeded"
+    result = scalar("SELECT result FROM engine.task_run WHERE id = %s", (run_id,))
+    assert result["corrupt"] == 2 and result["hashed"] == 1, result
+    assert sorted(i for (i,) in sql("SELECT id FROM acq.library_item WHERE status = 'corrupt'")) == [
+        items[2][0],
+        items[3][0],
+    ]
