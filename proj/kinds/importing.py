@@ -160,13 +160,14 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
         if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             dst.unlink(missing_ok=True)  # the next attempt checks the pieces again
             raise SourceChanged(f"{src} changed while it was copied")
-        return copied
+        return {**copied, **library.file_id(dst)}  # which file is ours (`_moved_meanwhile`)
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
         if dst.exists() and dst.stat().st_size == size:
             digest = library.sha256_file(dst)
             if digest == library.sha256_file(src):
-                return Done({"path": str(dst), "size": size, "sha256": digest, "reconciled": True})
+                found = {"path": str(dst), "size": size, "sha256": digest, "reconciled": True}
+                return Done({**found, **library.file_id(dst)})
         return NotDone("destination missing or different")
 
     key = f"copy:{task.id}:{ctx.input.generation}:{rel_path}"
@@ -181,9 +182,13 @@ def record(ctx: StepContext) -> dict[str, Any]:
     default_root = str(library_root())  # a copy recorded before copies named their root
     generation = ctx.input.generation
     result: dict[str, Any] = {"files": len(copies), **({"generation": generation} if generation else {})}
+    moved: list[str] = []
     with ctx.finish(result) as s:
         for c in copies:
             root = c.get("root", default_root)
+            if _moved_meanwhile(s, task.id, c):
+                moved.append(c["rel_path"])
+                continue
             s.execute(
                 pg_insert(LibraryItem)
                 .values(
@@ -203,7 +208,8 @@ def record(ctx: StepContext) -> dict[str, Any]:
             # requester was told and the seeding goal was queued by the first import. Queuing
             # `retire_seed` again would carry a new `seed_until` under the same key
             # (`OutboxConflict`, the record step could never commit).
-            service.event(s, task.id, "re-imported", files=len(copies), generation=generation)
+            relocated = {"left_where_relocated": moved} if moved else {}
+            service.event(s, task.id, "re-imported", files=len(copies), generation=generation, **relocated)
             return result
         # A retry after this block committed must not move a notified task back to `imported`.
         if service.advance_status(s, task.id, "imported"):
@@ -226,6 +232,40 @@ def record(ctx: StepContext) -> dict[str, Any]:
             queued = {"download_task_id": str(task.id), "seed_until": seed_until.isoformat()}
         outbox.add(s, "retire_seed", seed_key, queued)
     return result
+
+
+# The row of one library file, locked: a relocate's switch (`relocate.LOCK_ITEM`) waits for us.
+ROW_OF_FILE = text(
+    """
+    SELECT root
+      FROM acq.library_item
+     WHERE download_task_id = :task_id AND rel_path = :rel_path
+       FOR UPDATE
+    """
+)
+
+
+def _moved_meanwhile(s: Session, task_id: uuid.UUID, copied: dict[str, Any]) -> bool:
+    """Whether the file's row now points at another file than the one this copy wrote (a
+    relocate switched it since the copy chose its root); then this copy, if still there, goes.
+
+    Why: a re-import copies every file of its task where its row says it lies, the healthy ones
+    too. A relocate of one of them could switch between that copy and this record: the switch
+    deleted the old root's file, and the record pointed the row back at it, at nothing (or at
+    this copy, the relocate's left orphaned). The relocated copy was checked against the same
+    recorded sha256, so it stays as the switch left it
+    (`tests/integration/test_library_leftovers.py::
+    test_a_reimport_leaves_a_file_relocated_meanwhile_where_the_move_put_it`).
+    """
+    root = s.scalar(ROW_OF_FILE, {"task_id": task_id, "rel_path": copied["rel_path"]})
+    if root is None or "path" not in copied:
+        return False
+    ours = Path(copied["path"])
+    if library_path(task_id, copied["rel_path"], Path(root)) == ours:  # its root, however spelled
+        return False
+    if "ino" in copied:
+        library.remove_if_same_file(ours, copied["dev"], copied["ino"])
+    return True
 
 
 def on_cancel(s: Session, run_id: uuid.UUID, inp: ImportInput) -> None:

@@ -16,7 +16,7 @@ import proj.celery  # noqa: F401 - registers every kind
 from proj.engine import runs
 from proj.kinds import relocate as relocate_kind
 from tests.acq_fixtures import *  # noqa: F403
-from tests.integration.test_library_review import enqueue_periodic, imported_task, make_torrent
+from tests.integration.test_library_review import enqueue_periodic, events_of, imported_task, make_torrent
 from tests.integration.test_library_review import run_status as status_of_key
 from tests.integration.test_relocate_overlap import (
     REL,
@@ -189,6 +189,55 @@ def test_a_relocate_of_an_item_flagged_for_repair_refuses_its_switch_and_removes
     assert sql("SELECT root, status FROM acq.library_item WHERE id = %s", (item_id,)) == [(str(a), "ok")]
     assert sha256(original) == sha256(downloads / "Show" / "big.bin")
     assert copies(task_id, b) == []
+
+
+def test_a_reimport_leaves_a_file_relocated_meanwhile_where_the_move_put_it(procs, tmp_path: Path) -> None:
+    """A re-import copies every file of its task back where its row says it lies, the healthy
+    ones too; `a.bin` is being relocated A → B meanwhile. The re-import chose A for it, then the
+    switch moved the row to B and deleted A's file, then the re-import recorded its rows. Before:
+    the record pointed `a.bin`'s row back at A, at a file the switch had deleted (or, had its
+    copy landed after the delete, at that copy, B's left orphaned). Now the record is a
+    compare-and-set on the root each copy went to: a row moved meanwhile stays where the
+    relocate put it, and the re-import's own copy in the old root goes if it is still there."""
+    downloads, a, b = tmp_path / "downloads", tmp_path / "lib-a", tmp_path / "lib-b"
+    files = {"a.bin": os.urandom(1024 * 1024), "z.bin": os.urandom(16 * 1024 * 1024)}
+    t = make_torrent(downloads, "Show", files)
+    task_id = imported_task(t, files, {"a.bin": a, "z.bin": a})
+    item_id = scalar(
+        "SELECT id FROM acq.library_item WHERE download_task_id = %s AND rel_path = 'Show/a.bin'", (task_id,)
+    )
+    env = {"LIBRARY_ROOT": str(a), "DOWNLOAD_DIR": str(downloads)}
+    # The relocate copies a.bin in 3.9 s; the re-import copies it in 0.9 s and z.bin in 5.4 s.
+    mover = {"COPY_CHUNK_BYTES": "16384", "FAULT_CHUNK_DELAY_S": "0.06", "ENGINE_SERVE": "relocate@1"}
+    repairer = {
+        "COPY_CHUNK_BYTES": str(1024 * 1024),
+        "FAULT_CHUNK_DELAY_S": "0.3",
+        "ENGINE_SERVE": "import@1",
+    }
+    procs.worker("mover", concurrency=1, env={**env, **mover})
+    procs.worker("repairer", concurrency=2, env={**env, **repairer})
+    procs.beat(env=env)
+
+    run_id = relocate(item_id, b)
+    wait_for(lambda: copy_underway(run_id), 30, what="the relocate's copy to be underway")
+    key = f"reimport:{task_id}:3"
+    reimport = runs.enqueue(
+        "import", {"download_task_id": str(task_id), "generation": 3}, idempotency_key=key
+    ).task_run_id
+    assert wait_ended(procs, run_id) == "succeeded"
+    assert wait_ended(procs, reimport) == "succeeded", last_error(reimport)
+    # The interleaving this test is about: the re-import copied a.bin to A, then the switch, then
+    # the re-import's record.
+    plan = scalar("SELECT plan FROM ledger.asset_operation WHERE op_key = %s", (f"copy:{task_id}:3:a.bin",))
+    assert plan["dst"] == str(a / str(task_id) / "Show" / "a.bin"), plan
+    timeline = events_of(task_id)
+    assert timeline.index("relocated") < timeline.index("re-imported"), timeline
+
+    rows = dict(sql("SELECT rel_path, root FROM acq.library_item WHERE download_task_id = %s", (task_id,)))
+    assert rows == {"Show/a.bin": str(b), "Show/z.bin": str(a)}
+    assert sha256(b / str(task_id) / "Show" / "a.bin") == sha256(downloads / "Show" / "a.bin")
+    assert copies(task_id, a) == [a / str(task_id) / "Show" / "z.bin"], "a second a.bin in A"
+    assert copies(task_id, b) == [b / str(task_id) / "Show" / "a.bin"]
 
 
 # --------------------------------------------------- corruption that keeps the size and the mtime
