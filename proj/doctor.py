@@ -136,6 +136,31 @@ def check_qbittorrent(settings: Settings) -> Check:
         )
 
 
+def check_library(settings: Settings) -> Check:
+    """LIBRARY_ROOT is there and writable. A warning, not a failure: imports wait for a root
+    that is not there (its disk unmounted) without spending attempts, and never create it
+    (`proj.kinds.common.require_mounted`); this may also run on a host that does not mount it
+    (`tests/integration/test_cli.py::test_doctor_warns_of_a_library_root_that_is_not_there`)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    root = Path(settings.library_root)
+    if not root.is_dir():
+        return Check(
+            "library",
+            "WARN",
+            f"LIBRARY_ROOT {root} is not there: imports wait for it",
+            f"mount the library's disk, or create the folder (mkdir -p {root}) where the workers run",
+        )
+    if not os.access(root, os.W_OK | os.X_OK):
+        return Check(
+            "library", "WARN", f"{root} is not writable by this user", "give the workers' user write access"
+        )
+    free = shutil.disk_usage(root).free
+    return Check("library", "OK", f"{root}: {free / 2**30:.1f} GiB free")
+
+
 def check_schema() -> Check:
     from proj.engine import preflight
     from proj.engine.errors import SchemaBehind
@@ -275,6 +300,7 @@ def run_checks(
     pg = run("postgres", lambda: check_postgres(settings))
     broker = run("broker", lambda: check_broker(settings))
     run("qbittorrent", lambda: check_qbittorrent(settings))
+    run("library", lambda: check_library(settings))
     if pg.status == "OK":
         run("schema", check_schema)
         run("autovacuum", check_autovacuum)

@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 import ledger
 from proj import db
 from proj.acquisition import qbt, service, torrents
-from proj.acquisition.models import DownloadTask, TaskEvent
+from proj.acquisition.models import DownloadTask, LibraryItem, TaskEvent
 from proj.engine.context import StepContext
-from proj.engine.errors import CancelRequested
+from proj.engine.errors import CancelRequested, Unavailable
 from proj.settings import get_settings
 
 UNREACHABLE = "qBittorrent unreachable"
@@ -224,3 +224,34 @@ def while_qbittorrent_down(body: Callable[[StepContext], R]) -> Callable[[StepCo
             raise qbt.Down(f"qBittorrent at {get_settings().qbt_url} did not answer: {exc}") from exc
 
     return run
+
+
+class LibraryUnavailable(Unavailable):
+    """The library root is not there: its disk is unmounted (or not yet mounted)."""
+
+
+def require_mounted(root: Path) -> None:
+    """Raise `LibraryUnavailable` unless `root` is there: a directory, and not empty when the
+    library has files recorded under it (the bare mount point of a disk that dropped).
+
+    Why: with the library's disk unmounted, an import created `LIBRARY_ROOT` again (`mkdir -p`)
+    on the system disk under the bare mount point, filled it, and recorded files that vanished
+    when the disk came back; or it failed its three attempts and left a dead letter. Now the
+    import waits the outage out, spending no attempt, for up to a day (`RetryPolicy.outage_s`)
+    and never writes outside a root that is there
+    (`tests/faults/test_faults_disk.py::test_an_import_waits_for_its_library_disk_and_writes_nothing_meanwhile`).
+    """
+    try:
+        present = root.is_dir()
+        empty = present and not any(root.iterdir())
+    except OSError as exc:
+        raise LibraryUnavailable(f"library root {root} cannot be read ({exc}): is its disk mounted?") from exc
+    if not present:
+        raise LibraryUnavailable(f"library root {root} does not exist: is its disk mounted?")
+    if empty:
+        with db.transaction() as s:
+            recorded = s.scalar(select(LibraryItem.id).where(LibraryItem.root == str(root)).limit(1))
+        if recorded is not None:
+            raise LibraryUnavailable(
+                f"library root {root} is empty but the library has files recorded there: is its disk mounted?"
+            )

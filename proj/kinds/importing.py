@@ -27,6 +27,7 @@ from proj.kinds.common import (
     library_root,
     load_task,
     recorded_root,
+    require_mounted,
     torrent_library_paths,
 )
 from proj.settings import get_settings
@@ -43,7 +44,9 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     task = load_task(ctx)
     meta = torrents.parse(task.torrent)
     torrents.verify_pieces(task.torrent, download_dir())
-    # Before the first byte is copied: the files not yet in the library must fit.
+    # Before the first byte is copied: the library's disk is there, and the files not yet in
+    # the library fit on it.
+    require_mounted(library_root())
     library.check_space(library_root(), _missing_bytes(task, meta))
     files = [
         {"rel_path": f.rel_path, "size": f.size, "mtime_ns": _source_stamp(meta, f)[1]} for f in meta.files
@@ -144,6 +147,7 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             att.check()
 
         _still_verified(task, meta, src, ctx.item)
+        require_mounted(root)  # never `mkdir -p` a root whose disk dropped since `verify`
         before = src.stat()
         # Earlier attempts' leftovers (this attempt is current), never another file of the torrent.
         library.remove_temp_files(dst, keep=others)
@@ -277,11 +281,15 @@ def on_cancel(s: Session, run_id: uuid.UUID, inp: ImportInput) -> None:
         service.mark_cancel_requested(s, run_id, inp)
 
 
+# The file policy's three attempts; a library disk that is not mounted (`LibraryUnavailable`) is
+# an outage, waited out for up to a day without spending them (`common.require_mounted`).
+IMPORT_RETRY = RetryPolicy(max_attempts=3, initial_s=1.0, max_s=60.0, outage_s=24 * 3600.0)
+
 IMPORT = register(
     Kind(
         name="import",
         version=1,
-        retry=RetryPolicy.file(),
+        retry=IMPORT_RETRY,
         input_model=ImportInput,
         canvas=(
             step("verify", verify),

@@ -147,3 +147,50 @@ def test_library_filling_mid_copy_fails_clearly_and_leaves_nothing(
         assert sha256_tree(p.parent)[p.name] == swarm.payload.digests[rel]
     filler.unlink()  # the operator frees space
     resolve_and_finish(task_id, swarm, webhook, small_library)
+
+
+def test_an_import_waits_for_its_library_disk_and_writes_nothing_meanwhile(
+    procs, swarm: Swarm, webhook: Receiver, tmp_path: Path
+) -> None:
+    """The library's disk is not mounted when the import runs: LIBRARY_ROOT lies on it, and only
+    the bare mount point is there. Before, the copy's `mkdir -p` created LIBRARY_ROOT on the
+    system disk and filled it (or the import spent its three attempts and left a dead letter).
+    Now each attempt is an outage (`LibraryUnavailable`): none is spent, nothing is written
+    under the mount point, the run says why it waits, and the import finishes once the disk is
+    mounted."""
+    mount_point = tmp_path / "nas"
+    mount_point.mkdir()
+    root = mount_point / "library"
+    env = swarm.worker_env(LIBRARY_ROOT=str(root))
+    procs.worker("w1", concurrency=2, env=env)
+    procs.beat(env=env)
+    task_id = request_and_approve(swarm, webhook)
+    verify = (
+        "SELECT s.outages, s.attempts - s.outages FROM engine.step s JOIN engine.task_run r"
+        " ON r.id = s.run_id WHERE r.idempotency_key = %s AND s.name = 'verify'"
+    )
+    key = (f"import:{task_id}",)
+    wait_for(lambda: (sql(verify, key) or [(0, 0)])[0][0] >= 2, 60, what="two attempts to meet the outage")
+    assert sql(verify, key)[0][1] == 0, dump_engine_state()
+    assert list(mount_point.iterdir()) == []  # nothing on the system disk
+    error = import_run(task_id)[2] or {}
+    assert error.get("type") == "LibraryUnavailable" and "is its disk mounted?" in error["message"], error
+
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs for the library (root needed): {mounted.stderr.decode()}")
+    try:
+        root.mkdir()  # the disk is back, with its library folder
+        wait_for(
+            lambda: scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)) == "notified",
+            120,
+            what="the import to finish once the disk is mounted",
+        )
+        assert sha256_tree(root / str(task_id) / swarm.payload.path.name) == swarm.payload.digests
+        assert import_run(task_id)[1] == "succeeded"
+        wait_for(webhook.keys, 15, what="the webhook")
+        assert webhook.keys() == [f"notify:{task_id}"]
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)

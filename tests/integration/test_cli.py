@@ -93,6 +93,16 @@ def test_doctor_warns_that_acquires_fail_without_qbt_url() -> None:
     assert "qbittorrent" in out.split("warning(s): ")[-1], out
 
 
+def test_doctor_warns_of_a_library_root_that_is_not_there(tmp_path) -> None:  # noqa: ANN001
+    """An unmounted library disk: imports wait for it, and the doctor says where to look."""
+    r = proj_subprocess("doctor", env={"LIBRARY_ROOT": str(tmp_path / "nas" / "library")})
+    out = r.stdout + r.stderr
+    assert "library           │ WARN" in out and "imports wait for it" in out, out
+    r = proj_subprocess("doctor", env={"LIBRARY_ROOT": str(tmp_path)})
+    out = r.stdout + r.stderr
+    assert "library           │ OK" in out and "GiB free" in out, out
+
+
 def test_a_blank_by_is_a_usage_error() -> None:
     """`--by ''` was silently your user name (the API refuses an empty `by`)."""
     some = str(uuid.uuid4())
