@@ -139,6 +139,11 @@ class Settings(BaseSettings):
     qbt_url: str | None = None
     qbt_username: str | None = None
     qbt_password: SecretStr | None = None
+    qbt_login_retry_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="credentials qBittorrent refused are not tried again for this long, by any worker",
+    )
     admin_username: str = "admin"
     admin_password: SecretStr | None = None
     api_token: SecretStr | None = Field(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import threading
 import time
 from typing import Any
 
 import qbittorrentapi
+from sqlalchemy import text
 
+from proj import db
 from proj.engine.errors import NonRetryable, Unavailable
 from proj.engine.kind import RetryPolicy
 from proj.settings import get_settings
@@ -43,6 +47,36 @@ class LoginRefused(NonRetryable):
     """qBittorrent refused our login: retrying the same credentials cannot succeed."""
 
 
+# The memo of refused credentials, shared by every worker process: an `acq.flag` row of kind
+# `qbt_login_refused` whose subject is a digest of (URL, username, password), never the password.
+# `RECENT_REFUSAL` finds it while it is younger than `:window` seconds; `RECORD_REFUSAL` writes
+# it (again); `FORGET_REFUSALS` drops every one of the URL once a login there succeeded.
+RECENT_REFUSAL = text(
+    """
+    SELECT at, detail->>'message' AS message FROM acq.flag
+     WHERE kind = 'qbt_login_refused' AND subject = :subject
+       AND at > now() - make_interval(secs => :window)
+    """
+)
+RECORD_REFUSAL = text(
+    """
+    INSERT INTO acq.flag (kind, subject, detail, at)
+    VALUES ('qbt_login_refused', :subject, CAST(:detail AS jsonb), now())
+    ON CONFLICT (kind, subject) DO UPDATE SET detail = excluded.detail, at = excluded.at
+    """
+)
+FORGET_REFUSALS = text(
+    """
+    DELETE FROM acq.flag WHERE kind = 'qbt_login_refused' AND detail->>'url' = :url
+    """
+)
+
+
+def credentials_digest(url: str, username: str, password: str) -> str:
+    """What names a set of credentials in the memo: a digest, so the password is never stored."""
+    return hashlib.sha256("\0".join((url, username, password)).encode()).hexdigest()
+
+
 class _Client(qbittorrentapi.Client):  # type: ignore[misc]
     """qbittorrent-api's client, whose (re-)login fails the step at once and says why.
 
@@ -52,13 +86,36 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
     for an hour and the corrected password refused too
     (`tests/integration/test_qbt_review.py::
     test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the_host_banned`).
+
+    A refusal is remembered in Postgres for `QBT_LOGIN_RETRY_S` (900 s): each step failing once
+    was still one failed login per request, per periodic reconcile and per worker thread, and
+    five requests approved together got the host banned. Within that window no process tries
+    the same credentials again; changed ones are tried at once (`tests/integration/
+    test_qbt_review.py::test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker`).
     """
 
     def auth_log_in(self, username: str | None = None, password: str | None = None, **kwargs: Any) -> None:
+        if username:
+            self.username, self._password = username, password or ""
+        subject = credentials_digest(self.host, self.username, self._password)
+        window = get_settings().qbt_login_retry_s
+        with db.transaction() as s:
+            refused = s.execute(RECENT_REFUSAL, {"subject": subject, "window": window}).first()
+        if refused is not None:
+            raise LoginRefused(
+                f"{refused.message} Not tried again before {window:.0f}s after {refused.at.isoformat()}, so "
+                "that qBittorrent does not ban this host; changed credentials are tried at once"
+            )
         try:
-            super().auth_log_in(username, password, **kwargs)
+            super().auth_log_in(**kwargs)
         except (qbittorrentapi.LoginFailed, qbittorrentapi.HTTP403Error) as exc:
-            raise LoginRefused(login_refusal(self.host, self.username, exc)) from exc
+            message = login_refusal(self.host, self.username, exc)
+            detail = json.dumps({"url": self.host, "username": self.username, "message": message})
+            with db.transaction() as s:
+                s.execute(RECORD_REFUSAL, {"subject": subject, "detail": detail})
+            raise LoginRefused(message) from exc
+        with db.transaction() as s:
+            s.execute(FORGET_REFUSALS, {"url": self.host})
 
 
 def login_refusal(url: str, username: str, exc: BaseException) -> str:

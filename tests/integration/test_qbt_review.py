@@ -295,6 +295,58 @@ def test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the
     assert managed.client().app_version()
 
 
+def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
+    qbt_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step failed once on a refused login, but every request, periodic reconcile and worker
+    thread had its own login: five requests approved with a wrong QBT_PASSWORD were five failed
+    logins, qBittorrent's ban threshold. Now a refusal is remembered in Postgres: four clients
+    (threads here, worker processes in a deployment) make one failed login between them, and
+    the corrected password is tried at once."""
+    from proj.acquisition import qbt
+    from proj.settings import get_settings
+    from tests.support.proxy import CutProxy
+
+    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
+    managed = qbt_factory(
+        "memo", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
+    )
+    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
+    monkeypatch.setenv("QBT_URL", logins.url)
+    monkeypatch.setenv("QBT_USERNAME", "admin")
+    monkeypatch.setenv("QBT_PASSWORD", "wrong-secret")
+    get_settings.cache_clear()
+    try:
+        errors: list[BaseException] = []
+
+        def connect() -> None:  # a fresh thread: a client of its own, as in another worker
+            try:
+                qbt.client().app_version()
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertions
+                errors.append(exc)
+
+        for _ in range(4):
+            t = threading.Thread(target=connect)
+            t.start()
+            t.join()
+        assert logins.requests_seen == 1, errors
+        assert len(errors) == 4 and all(isinstance(e, qbt.LoginRefused) for e in errors), errors
+        assert all("QBT_USERNAME" in str(e) and "secret" not in str(e) for e in errors), errors
+        assert sum("Not tried again" in str(e) for e in errors) == 3, errors
+
+        monkeypatch.setenv("QBT_PASSWORD", "right-secret")
+        get_settings.cache_clear()
+        errors.clear()
+        connect_thread = threading.Thread(target=connect)
+        connect_thread.start()
+        connect_thread.join()
+        assert errors == [] and logins.requests_seen == 2
+        assert scalar("SELECT count(*) FROM acq.flag WHERE kind = 'qbt_login_refused'") == 0
+    finally:
+        logins.close()
+        get_settings.cache_clear()
+
+
 # ------------------------------------------------------------------ the operator's pause
 
 
