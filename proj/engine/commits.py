@@ -88,35 +88,23 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> Attempt
     """Schedule the next attempt with backoff, or fail the run when attempts are exhausted.
 
     An outage (`Unavailable` under a policy with an `outage_s`) is retried without spending the
-    attempt while the outage is younger than the window; the run shows the error and since when
-    (`tests/integration/test_outages.py`). The attempts spent are counted by the statement, in
-    the row (`attempts - outages`), not from the claim."""
+    attempt while the outage is younger than the window (`_wait_out`). The attempts spent are
+    counted by the statement, in the row (`attempts - outages`), not from the claim."""
     err = error_payload(exc)
     delay = policy.backoff(c.attempt)
+    outage = isinstance(exc, Unavailable)
     with db.transaction() as s:
-        outage = isinstance(exc, Unavailable)
-        if outage and policy.outage_s > 0:
-            out = store.retry_outage(
-                s, step_id=c.step_id, token=c.token, delay=delay, window=policy.outage_s, err=err
+        if outage and policy.outage_s > 0 and _wait_out(s, c, policy, err, delay):
+            log.info(
+                "step %s: a service it needs is down, retry in %.1fs, not counted: %s", c.step_id, delay, exc
             )
-            if out is not None:
-                close_attempt(s, c, Outcome.UNAVAILABLE, err)
-                seen = {**err, "step": c.name, "attempts": out.spent, "outage_since": out.since.isoformat()}
-                store.record_retry_error(s, c.run_id, seen)
-                log.info(
-                    "step %s: a service it needs is down, retry in %.1fs, not counted: %s",
-                    c.step_id,
-                    delay,
-                    exc,
-                )
-                return AttemptEnd(Outcome.UNAVAILABLE, [])
-        budget = min(c.max_attempts, policy.max_attempts)
+            return AttemptEnd(Outcome.UNAVAILABLE, [])
         failed = store.fail_or_retry(
             s,
             step_id=c.step_id,
             token=c.token,
             final=isinstance(exc, NonRetryable),
-            budget=budget,
+            budget=min(c.max_attempts, policy.max_attempts),
             delay=delay,
             err=err,
             outage=outage,
@@ -131,6 +119,23 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> Attempt
         store.record_retry_error(s, c.run_id, seen)
     log.info("step %s attempt %s failed, retry in %.1fs: %s", c.step_id, c.attempt, delay, exc)
     return AttemptEnd(Outcome.RETRY, [])
+
+
+def _wait_out(s: Session, c: Claim, policy: RetryPolicy, err: dict[str, Any], delay: float) -> bool:
+    """The attempt met an outage younger than `policy.outage_s`: retried after `delay`, not
+    spent, logged `unavailable`; the run shows the error and since when the outage lasts
+    (`tests/integration/test_outages.py`). False: the outage outlasted its window (or the lease
+    is gone), and the attempt counts like any failure."""
+    out = store.retry_outage(
+        s, step_id=c.step_id, token=c.token, delay=delay, window=policy.outage_s, err=err
+    )
+    if out is None:
+        return False
+    close_attempt(s, c, Outcome.UNAVAILABLE, err)
+    store.record_retry_error(
+        s, c.run_id, {**err, "step": c.name, "attempts": out.spent, "outage_since": out.since.isoformat()}
+    )
+    return True
 
 
 def commit_canceled(c: Claim) -> AttemptEnd:
