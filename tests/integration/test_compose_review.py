@@ -14,6 +14,10 @@ around it does not.
   rebuilt image with a new migration, `docker compose up -d` again) migrates before the new app
   containers start.
 - every container's log is capped (json-file grew without bound).
+- the worker count is one setting (`WORKER_REPLICAS`): the replicas and the connection-budget
+  preflight's EXPECTED_WORKERS (a fixed "1" under-counted `--scale worker=3`); Postgres has a
+  `start_period` for a first init; qBittorrent's peer port (`QBT_PEER_PORT`) is published, TCP
+  and UDP, as the port it listens on.
 
 Docker that cannot run fails these tests with the reason (`tests/support/dockerkit.py`).
 """
@@ -382,3 +386,80 @@ def test_a_stopped_worker_has_time_to_finish_its_running_steps() -> None:
     assert grace == "1m0s" or grace in ("60s", "1m"), grace
     custom = compose_config({**{k: "x" for k in SECRETS}, "WORKER_STOP_GRACE": "5m"})["services"]
     assert str(custom["worker"]["stop_grace_period"]) in ("5m", "5m0s"), custom["worker"]["stop_grace_period"]
+
+
+def duration_s(value: object) -> float:
+    """A compose duration as rendered ("90s", "1m30s", "1m0s", "500ms") in seconds."""
+    total, num = 0.0, ""
+    text_ = str(value)
+    i = 0
+    while i < len(text_):
+        ch = text_[i]
+        if ch.isdigit() or ch == ".":
+            num += ch
+            i += 1
+            continue
+        unit = "ms" if text_.startswith("ms", i) else ch
+        total += float(num) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+        num, i = "", i + len(unit)
+    return total + (float(num) if num else 0.0)
+
+
+def published(ports: list[Any]) -> set[tuple[str, str, str, str]]:
+    """(host ip, published, target, protocol) of a service's ports, from either compose's short
+    strings (docker-compose 1.x) or its long form (Compose v2)."""
+    out = set()
+    for p in ports:
+        if isinstance(p, dict):
+            out.add(
+                (
+                    p.get("host_ip", ""),
+                    str(p.get("published", "")),
+                    str(p["target"]),
+                    p.get("protocol", "tcp"),
+                )
+            )
+            continue
+        spec, _, proto = str(p).partition("/")
+        parts = spec.rsplit(":", 2)
+        ip, pub, target = ([""] * (3 - len(parts)) + parts)[-3:]
+        out.add((ip, pub, target, proto or "tcp"))
+    return out
+
+
+def test_the_worker_count_is_one_setting_for_the_replicas_and_the_connection_budget() -> None:
+    """`EXPECTED_WORKERS` was a fixed "1" while `--scale worker=3` ran three workers: the
+    connection-budget preflight (EXPECTED_WORKERS x WORKER_CONCURRENCY x pool) counted a third of
+    them. `WORKER_REPLICAS` is both how many worker containers run and what every app service
+    tells the preflight."""
+    secrets = {k: "x" for k in SECRETS}
+    for env, want in (({}, 1), ({"WORKER_REPLICAS": "3"}, 3)):
+        services = compose_config({**secrets, **env})["services"]
+        assert int(services["worker"].get("deploy", {}).get("replicas", 1)) == want, services["worker"]
+        for svc in ("migrate", *APP_SERVICES):
+            assert services[svc]["environment"]["EXPECTED_WORKERS"] == str(want), svc
+    assert "WORKER_REPLICAS" in docker_section() and "WORKER_REPLICAS" in (ROOT / ".env.example").read_text()
+
+
+def test_postgres_has_time_for_a_first_init_before_it_can_be_unhealthy() -> None:
+    """A first start initialises the database (initdb), which on a slow disk outlasted the
+    healthcheck's retries: Postgres marked unhealthy, `migrate` and everything after it never
+    started. Failures within `start_period` do not count."""
+    services = compose_config({k: "x" for k in SECRETS})["services"]
+    check = services["postgres"]["healthcheck"]
+    assert duration_s(check.get("start_period", "0s")) >= 60, check
+    assert services["postgres"]["healthcheck"]["test"][1] == "pg_isready"
+
+
+def test_the_qbittorrent_peer_port_is_published_tcp_and_udp_as_it_listens() -> None:
+    """qBittorrent's BitTorrent port was not published: no peer could connect in (only out), so
+    a torrent with few seeders behind NAT never finished. It is published on TCP and UDP, the same
+    number on both sides (qBittorrent announces the port it listens on), and `QBT_PEER_PORT`
+    moves both."""
+    secrets = {k: "x" for k in SECRETS}
+    for env, port in (({}, "6881"), ({"QBT_PEER_PORT": "51413"}, "51413")):
+        qbt = compose_config({**secrets, **env})["services"]["qbittorrent"]
+        assert qbt["environment"]["QBT_LISTEN_PORT"] == port, qbt["environment"]
+        ports = {(pub, target, proto) for _, pub, target, proto in published(qbt.get("ports", []))}
+        assert {(port, port, "tcp"), (port, port, "udp")} <= ports, qbt.get("ports")
+    assert "QBT_PEER_PORT" in docker_section() and "QBT_PEER_PORT" in (ROOT / ".env.example").read_text()
