@@ -3,8 +3,8 @@
 # builds it on a local Debian base (`--build-arg BASE=local/bookworm`, scripts/docker-images).
 ARG BASE=python:3.11-slim-bookworm
 
-FROM ${BASE} AS build
-# Lets scripts/docker-images drop this stage's untagged image after a rebuild, and only ours.
+FROM ${BASE} AS deps
+# Lets scripts/docker-images drop the build stages' untagged images after a rebuild, and only ours.
 LABEL proj.stage=build
 # Debian's python3 needs python3-venv; the official Python image has it already.
 RUN python3 -c "import ensurepip, venv" 2>/dev/null \
@@ -13,15 +13,25 @@ RUN python3 -c "import ensurepip, venv" 2>/dev/null \
 WORKDIR /src
 # docker-ca.crt: only where builds reach PyPI through a TLS-inspecting proxy (scripts/docker-images
 # copies the host's CA bundle); absent for users. It stays in this stage.
-COPY pyproject.toml README.md alembic.ini docker-ca.crt* ./
+COPY pyproject.toml docker-ca.crt* ./
+# The dependencies first, in a layer of their own: a code change finds it in the build cache and
+# installs only proj (pip spent ~45 s on the dependencies at every change to proj/).
+# scripts/docker-images tags this stage (proj/app-deps:ci), so its pruning keeps the layer.
+RUN if [ -f docker-ca.crt ]; then export PIP_CERT=/src/docker-ca.crt; fi \
+ && python3 -c "import tomllib; t = tomllib.load(open('pyproject.toml', 'rb')); \
+print('\n'.join(t['build-system']['requires'] + t['project']['dependencies']))" > /tmp/deps.txt \
+ && python3 -m venv /opt/proj \
+ && /opt/proj/bin/pip install --no-cache-dir --disable-pip-version-check -r /tmp/deps.txt
+
+FROM deps AS build
+COPY README.md alembic.ini ./
 COPY proj ./proj
 COPY ledger ./ledger
 COPY outbox ./outbox
 COPY migrations ./migrations
-# A real (non-editable) install into a venv that the runtime stage copies as is.
-RUN if [ -f docker-ca.crt ]; then export PIP_CERT=/src/docker-ca.crt; fi \
- && python3 -m venv /opt/proj \
- && /opt/proj/bin/pip install --no-cache-dir --disable-pip-version-check . \
+# A real (non-editable) install into the venv, which the runtime stage copies as is.
+RUN /opt/proj/bin/pip install --no-cache-dir --disable-pip-version-check --no-deps \
+      --no-build-isolation . \
  && /opt/proj/bin/proj --help > /dev/null
 
 FROM ${BASE}

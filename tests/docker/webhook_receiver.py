@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -26,4 +28,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
+    # PID 1 in its container ignores SIGTERM unless it handles it: every `down` waited Docker's
+    # 10 s for this receiver and then killed it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ThreadingHTTPServer(("0.0.0.0", 8000), Handler).serve_forever()

@@ -5,7 +5,8 @@ One real request through the API and its approval; the download from a seeder on
 network; the file in the library volume with the right sha256; the webhook received; the run
 woken by qBittorrent's on-finish hook (curl to /api/hooks/qbittorrent, not the 10-minute
 re-check); `docker kill` of the worker container mid-copy, the run still finishing with each
-effect once; `compose down -v`. Docker that cannot run fails these tests with the reason.
+effect once; `compose down -v` (once, after test_compose_review.py's tests on the same stack:
+tests/support/compose.py). Docker that cannot run fails these tests with the reason.
 """
 
 from __future__ import annotations
@@ -15,125 +16,21 @@ import json
 import os
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
-from proj.qbt.local import add_torrent, free_port, make_torrent, wait_seeding
-from tests.support.dockerkit import images  # noqa: F401 - the session fixture
-from tests.support.services import ROOT, wait_for
+from proj.qbt.local import add_torrent, make_torrent, wait_seeding
+from tests.support.compose import APP_SERVICES, Stack
+from tests.support.services import wait_for
 
+# The stack (README's .env, compose.yaml + compose.ci.yaml + tests/docker/compose.test.yaml) is
+# brought up once for this file and test_compose_review.py (tests/support/compose.py).
+pytest_plugins = ["tests.support.compose_fixtures"]
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600), pytest.mark.usefixtures("images")]
 
 FILES = {"film.mkv": 6 * 1024 * 1024, "extras/notes.bin": 700 * 1024}
-SECRETS = {
-    "ADMIN_PASSWORD": "admin-" + uuid.uuid4().hex[:12],
-    "API_TOKEN": "api-" + uuid.uuid4().hex,
-    "HOOK_TOKEN": "hook-" + uuid.uuid4().hex,
-}
-APP_SERVICES = ("worker", "beat", "flower", "admin")
-
-
-@dataclass
-class Stack:
-    project: str
-    env: dict[str, str]
-    api_url: str
-    seed_dir: Path
-    hooks: Path
-
-    def compose(self, *args: str, check: bool = True, timeout: float = 300) -> str:
-        files = ["-f", "compose.yaml", "-f", "compose.ci.yaml", "-f", "tests/docker/compose.test.yaml"]
-        # Not the checkout's .env (the README's Docker section writes one): this stack's own
-        # settings only, on loopback whatever ADMIN_BIND an operator set there.
-        r = subprocess.run(
-            ["docker-compose", "--env-file", str(self.seed_dir.parent / "none.env"), "-p", self.project]
-            + [*files, *args],
-            cwd=ROOT,
-            env={**os.environ, **self.env},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if check and r.returncode != 0:
-            raise AssertionError(
-                f"docker-compose {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-            )
-        return r.stdout
-
-    def container(self, service: str) -> str:
-        return f"{self.project}_{service}_1"
-
-    def exec(self, service: str) -> list[str]:
-        return ["docker", "exec", self.container(service)]
-
-    def inspect(self, service: str, fmt: str) -> str:
-        out = subprocess.run(
-            ["docker", "inspect", "-f", fmt, self.container(service)], capture_output=True, text=True
-        )
-        return out.stdout.strip()
-
-    def sql(self, query: str) -> list[list[str]]:
-        out = subprocess.run(
-            [
-                "docker",
-                "exec",
-                self.container("postgres"),
-                "psql",
-                "-U",
-                "proj",
-                "-d",
-                "proj",
-                "-AtF",
-                "\t",
-                "-c",
-                query,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return [line.split("\t") for line in out.splitlines() if line]
-
-    def scalar(self, query: str) -> str | None:
-        rows = self.sql(query)
-        return rows[0][0] if rows else None
-
-    def api(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.api_url, headers={"Authorization": f"Bearer {SECRETS['API_TOKEN']}"}, timeout=30
-        )
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    seed, hooks = tmp_path / "seed", tmp_path / "hooks"
-    seed.mkdir()
-    hooks.mkdir()
-    for d in (tmp_path, seed, hooks):
-        d.chmod(0o777)  # the containers run as uid 10001
-    (tmp_path / "none.env").touch()  # Stack.compose's --env-file
-    port = free_port()
-    env = {
-        **SECRETS,
-        "ADMIN_PORT": str(port),
-        "FLOWER_PORT": str(free_port()),
-        "SEED_DIR": str(seed),
-        "HOOKS_DIR": str(hooks),
-    }
-    s = Stack(f"projtest{uuid.uuid4().hex[:8]}", env, f"http://127.0.0.1:{port}", seed, hooks)
-    try:
-        s.compose("up", "-d", "--no-build")
-        yield s
-    except BaseException:
-        print(s.compose("logs", "--tail", "80", check=False))
-        raise
-    finally:
-        s.compose("down", "-v", "--remove-orphans", check=False)
 
 
 def sha256(path: Path) -> str:
@@ -154,15 +51,13 @@ def seed_payload(s: Stack) -> tuple[bytes, str, dict[str, str]]:
     port = s.compose("port", "seeder", "8080").strip().rsplit(":", 1)[1]
     seeder = qbittorrentapi.Client(host=f"127.0.0.1:{port}", username="admin", password="seeder-password")
     add_torrent(seeder, torrent, infohash, save_path="/seed", seed=True)
-    wait_seeding(seeder, infohash, 60)
+    try:
+        wait_seeding(seeder, infohash, 60)
+    except TimeoutError as e:
+        info = [dict(t) for t in seeder.torrents_info(torrent_hashes=infohash)]
+        logs = s.compose("logs", "--tail", "30", "seeder", check=False)
+        raise AssertionError(f"{e}: {info}\n{logs}") from e
     return torrent, infohash, {rel: sha256(root / rel) for rel in FILES}
-
-
-def wait_healthy(s: Stack) -> None:
-    def healthy() -> bool:
-        return all(s.inspect(svc, "{{.State.Health.Status}}") == "healthy" for svc in APP_SERVICES)
-
-    wait_for(healthy, 180, interval=1, what="worker, beat, flower and admin to be healthy")
 
 
 def library_digests(s: Stack, task_id: str) -> dict[str, str]:
@@ -183,14 +78,17 @@ def library_digests(s: Stack, task_id: str) -> dict[str, str]:
 
 def test_compose_request_approve_download_library_webhook_and_a_killed_worker(stack: Stack) -> None:
     s = stack
-    wait_healthy(s)
+    # The seeder (not an app service) seeds while the app containers become healthy.
+    with ThreadPoolExecutor(1) as pool:
+        seeding = pool.submit(seed_payload, s)
+        s.wait_healthy()
+        torrent, infohash, digests = seeding.result()
     # Start order: migrate ran to completion before any app service started.
     assert s.inspect("migrate", "{{.State.ExitCode}}") == "0"
     migrated = s.inspect("migrate", "{{.State.FinishedAt}}")
     for svc in APP_SERVICES:
         assert s.inspect(svc, "{{.State.StartedAt}}") > migrated, f"{svc} started before migrate finished"
 
-    torrent, infohash, digests = seed_payload(s)
     with s.api() as api:
         made = api.post(
             "/api/requests",

@@ -17,19 +17,24 @@ around it does not.
 - the worker count is one setting (`WORKER_REPLICAS`): the replicas and the connection-budget
   preflight's EXPECTED_WORKERS (a fixed "1" under-counted `--scale worker=3`); Postgres has a
   `start_period` for a first init; qBittorrent's peer port (`QBT_PEER_PORT`) is published, TCP
-  and UDP, as the port it listens on.
+  and UDP, as the port it listens on, and a peer from outside reaches it.
 
-Docker that cannot run fails these tests with the reason (`tests/support/dockerkit.py`).
+The operator's path runs on test_compose.py's stack, brought up once for both files
+(tests/support/compose.py). Docker that cannot run fails these tests with the reason
+(`tests/support/dockerkit.py`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,18 +43,14 @@ import pytest
 import yaml
 
 from proj.engine.preflight import head_revision
-from proj.qbt.local import free_port
-from tests.support.dockerkit import images  # noqa: F401 - the session fixture
+from proj.qbt.local import make_torrent
+from tests.support.compose import APP_SERVICES, SECRETS, SERVICES, Stack, docker, docker_section
 from tests.support.services import ROOT, wait_for
 
+# The stack the operator's path runs on is test_compose.py's, brought up once for both files
+# (tests/support/compose.py).
+pytest_plugins = ["tests.support.compose_fixtures"]
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600), pytest.mark.usefixtures("images")]
-
-
-def docker(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"docker {' '.join(args)} failed: {r.stdout[-1000:]}{r.stderr[-2000:]}")
-    return r
 
 
 @dataclass
@@ -105,22 +106,37 @@ def one_shot(pg: Postgres, name: str, db: str, *command: str) -> tuple[str, str]
         docker("rm", "-f", name, check=False)
 
 
-def test_migrate_started_by_several_containers_at_once_migrates_once(postgres: Postgres) -> None:
+def test_migrate_started_by_several_containers_at_once_migrates_once(
+    postgres: Postgres, tmp_path: Path
+) -> None:
     pg = postgres
     migrators = [f"{pg.net}_m{i}" for i in range(4)]
+    go = tmp_path / "go"
+    go.mkdir()
+    go.chmod(0o755)
     try:
-        # Each imports `proj` first, then runs `proj migrate` at the same wall-clock instant.
-        at = time.time() + 8
+        # Each imports `proj` first and says so; once all four have, /go/now appears and they run
+        # `proj migrate` at the same instant (within 5 ms). A fixed 8 s barrier spent most of it
+        # waiting for imports long done.
         barrier = (
-            "import sys, time; from proj.cli import main; sys.argv = ['proj', 'migrate']; "
-            f"time.sleep(max(0.0, {at} - time.time())); main()"
+            "import os, sys, time; from proj.cli import main; sys.argv = ['proj', 'migrate']; "
+            "print('imported', flush=True)\n"
+            "while not os.path.exists('/go/now'): time.sleep(0.005)\n"
+            "main()"
         )
         for name in migrators:
             docker(
                 "create", "--name", name, "--network", pg.net, "-e", f"DATABASE_URL={pg.url('proj')}",
-                "proj/app:ci", "python", "-c", barrier,
+                "-v", f"{go}:/go:ro", "proj/app:ci", "python", "-c", barrier,
             )  # fmt: skip
         docker("start", *migrators)
+        wait_for(
+            lambda: all("imported" in docker("logs", name).stdout for name in migrators),
+            120,
+            interval=0.1,
+            what="the migrators to import proj",
+        )
+        (go / "now").touch()
         outcomes = {}
         for name in migrators:
             code = docker("wait", name, timeout=180).stdout.strip()
@@ -149,78 +165,6 @@ def test_migrate_on_a_schema_a_newer_version_migrated_says_so(postgres: Postgres
     assert "restore" in line and "Traceback" not in out, out
 
 
-SECRETS = ("ADMIN_PASSWORD", "API_TOKEN", "HOOK_TOKEN")
-APP_SERVICES = ("worker", "beat", "flower", "admin")
-SERVICES = ("postgres", "redis", "qbittorrent", *APP_SERVICES)
-
-
-def docker_section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("\n## Docker\n", 1)[1].split("\n## ", 1)[0]
-
-
-def readme_env_file(where: Path) -> dict[str, str]:
-    """Run the README's Docker section's lines that write `.env`, as written, in `where`."""
-    block = docker_section().split("```sh\n", 1)[1].split("```", 1)[0]
-    lines = block.replace("\\\n", " ").splitlines()
-    writes = [line for line in lines if "> .env" in line]
-    assert writes, f"the README's Docker section writes no .env:\n{block}"
-    subprocess.run(["bash", "-euc", "\n".join(writes)], cwd=where, check=True, capture_output=True)
-    values = dict(line.split("=", 1) for line in (where / ".env").read_text().splitlines() if "=" in line)
-    assert all(values.get(k) for k in SECRETS), values
-    return values
-
-
-@dataclass
-class Operator:
-    """An operator's shell in the checkout: the secrets in `.env` (here `--env-file`, the same
-    file compose reads beside compose.yaml), none in the environment."""
-
-    project: str
-    env_file: Path
-    secrets: dict[str, str]
-
-    def compose(self, *args: str, files: tuple[str, ...] = (), check: bool = True) -> str:
-        env = {k: v for k, v in os.environ.items() if k not in SECRETS}
-        cmd = ["docker-compose", "--env-file", str(self.env_file), "-p", self.project]
-        for f in ("compose.yaml", "compose.ci.yaml", *files):
-            cmd += ["-f", f]
-        r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        if check and r.returncode != 0:
-            out = f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-            raise AssertionError(f"docker-compose {' '.join(args)} failed:\n{out}")
-        return r.stdout
-
-    def container(self, service: str) -> str:
-        return f"{self.project}_{service}_1"
-
-    def inspect(self, service: str, fmt: str) -> str:
-        return docker("inspect", "-f", fmt, self.container(service)).stdout.strip()
-
-    def wait_healthy(self) -> None:
-        def healthy() -> bool:
-            return all(self.inspect(s, "{{.State.Health.Status}}") == "healthy" for s in APP_SERVICES)
-
-        wait_for(healthy, 180, interval=1, what="worker, beat, flower and admin to be healthy")
-
-
-@pytest.fixture
-def operator(tmp_path: Path) -> Iterator[Operator]:
-    values = readme_env_file(tmp_path)
-    env_file = tmp_path / ".env"
-    with env_file.open("a") as f:  # this test's ports, beside whatever else listens here
-        f.write(f"ADMIN_PORT={free_port()}\nFLOWER_PORT={free_port()}\n")
-    op = Operator(f"projop{uuid.uuid4().hex[:8]}", env_file, {k: values[k] for k in SECRETS})
-    try:
-        op.compose("up", "-d", "--no-build")
-        yield op
-    except BaseException:
-        print(op.compose("logs", "--tail", "60", check=False))
-        raise
-    finally:
-        op.compose("down", "-v", "--remove-orphans", check=False)
-
-
 def upgraded_image(tmp_path: Path, tag: str) -> str:
     """proj/app:ci with one more migration, as a rebuilt image after `git pull` would be."""
     where = docker(
@@ -242,74 +186,6 @@ def upgraded_image(tmp_path: Path, tag: str) -> str:
     )
     docker("build", "-q", "-t", tag, str(ctx))
     return tag
-
-
-def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_an_upgrade(
-    operator: Operator, tmp_path: Path
-) -> None:
-    op = operator
-    # The README puts the secrets in `.env` (the fixture ran its lines): given only on `up`'s
-    # command line, every later `docker compose` command (exec, logs, ps, down) refuses to run.
-    assert "ADMIN_PASSWORD=… API_TOKEN=… HOOK_TOKEN=… docker" not in docker_section()
-    assert (
-        ".env" in (ROOT / ".gitignore").read_text().split()
-        and ".env" in (ROOT / ".dockerignore").read_text().split()
-    )
-    op.wait_healthy()
-    assert op.compose("exec", "-T", "admin", "proj", "requests").startswith("id\ttitle\trequester")
-
-    # No secret on any process' command line (`ps` shows it to every local user), qBittorrent's
-    # on-finish hook included: here it retries an admin that refuses, for some seconds.
-    hook = subprocess.Popen(
-        [
-            "docker",
-            "exec",
-            op.container("qbittorrent"),
-            "sh",
-            "-c",
-            "PROJ_HOOK_URL=http://admin:9/x on-finished 0",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for(
-        lambda: "on-finished" in docker("top", op.container("qbittorrent"), "-eo", "pid,args").stdout,
-        10,
-        what="the on-finish hook to run",
-    )
-    time.sleep(0.5)
-    for svc in ("qbittorrent", *(s for s in SERVICES if s != "qbittorrent")):
-        top = docker("top", op.container(svc), "-eo", "pid,args").stdout
-        leaked = [k for k, v in op.secrets.items() if v in top]
-        assert not leaked, f"{svc} shows {leaked} on its command line:\n{top}"
-        # and its log is capped (test_every_container_rotates_its_logs), as Docker applies it
-        assert op.inspect(svc, '{{index .HostConfig.LogConfig.Config "max-size"}}') == "10m", svc
-    hook.wait(30)
-
-    # Upgrade: a rebuilt image with a new migration, `docker compose up -d` again: migrate runs
-    # it before any app container of the new image starts, and they come up healthy on it.
-    before = op.inspect("migrate", "{{.State.FinishedAt}}")
-    tag = upgraded_image(tmp_path, f"proj/app:upgrade-{op.project}")
-    override = tmp_path / "upgrade.yaml"
-    override.write_text(
-        "services:\n" + "".join(f'  {s}: {{image: "{tag}"}}\n' for s in ("migrate", *APP_SERVICES))
-    )
-    try:
-        op.compose("up", "-d", "--no-build", files=(str(override),))
-        op.wait_healthy()
-        migrated = op.inspect("migrate", "{{.State.FinishedAt}}")
-        assert migrated > before and op.inspect("migrate", "{{.State.ExitCode}}") == "0"
-        for svc in APP_SERVICES:
-            assert op.inspect(svc, "{{.Config.Image}}") == tag
-            assert op.inspect(svc, "{{.State.StartedAt}}") > migrated, f"{svc} started before migrate"
-        version = docker(
-            "exec", op.container("postgres"), "psql", "-U", "proj", "-d", "proj", "-Atc",
-            "TABLE alembic_version",
-        ).stdout.split()  # fmt: skip
-        assert version == ["9999_upgrade_probe"]
-    finally:
-        op.compose("down", "-v", "--remove-orphans", files=(str(override),), check=False)
-        docker("rmi", "-f", tag, check=False)
 
 
 def compose_config(env: dict[str, str]) -> dict[str, Any]:
@@ -463,3 +339,162 @@ def test_the_qbittorrent_peer_port_is_published_tcp_and_udp_as_it_listens() -> N
         ports = {(pub, target, proto) for _, pub, target, proto in published(qbt.get("ports", []))}
         assert {(port, port, "tcp"), (port, port, "udp")} <= ports, qbt.get("ports")
     assert "QBT_PEER_PORT" in docker_section() and "QBT_PEER_PORT" in (ROOT / ".env.example").read_text()
+
+
+def qbt_api(s: Stack, *curl: str, stdin: bytes | None = None) -> str:
+    """qBittorrent's Web API from inside its container (no login from loopback)."""
+    r = subprocess.run(
+        ["docker", "exec", "-i", s.container("qbittorrent"), "curl", "-fsS", *curl],
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout.decode()
+
+
+def peer_handshake(port: int, infohash: str) -> bytes:
+    """A BitTorrent handshake for `infohash` to 127.0.0.1:`port`: the answering peer's info hash."""
+    hello = (
+        b"\x13BitTorrent protocol"
+        + bytes(8)
+        + bytes.fromhex(infohash)
+        + b"-PT0001-"
+        + os.urandom(6).hex().encode()[:12]
+    )
+    answer = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(hello)
+            while len(answer) < 48:
+                chunk = sock.recv(68)
+                if not chunk:
+                    break
+                answer += chunk
+    except OSError:
+        pass  # refused or reset: no answer (yet)
+    return answer[28:48]
+
+
+def test_the_running_stack_counts_its_workers_and_takes_peers_on_its_published_port(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """On a real `up`: the preflight counts as many workers as run (WORKER_REPLICAS), and a peer
+    from outside the compose network reaches qBittorrent on the published QBT_PEER_PORT (a
+    BitTorrent handshake for a torrent it has is answered with that torrent's info hash)."""
+    s = stack
+    s.wait_healthy()
+    workers = docker(
+        "ps", "-q", "--filter", f"label=com.docker.compose.project={s.project}",
+        "--filter", "label=com.docker.compose.service=worker",
+    ).stdout.split()  # fmt: skip
+    counted = docker(
+        "exec", s.container("worker"), "python", "-c",
+        "from proj.settings import get_settings; print(get_settings().expected_workers)",
+    ).stdout.strip()  # fmt: skip
+    assert counted == str(len(workers)) == "1", (counted, workers)
+
+    port = s.settings["QBT_PEER_PORT"]
+    prefs = json.loads(qbt_api(s, "http://127.0.0.1:8080/api/v2/app/preferences"))
+    assert str(prefs["listen_port"]) == port
+    for proto in ("tcp", "udp"):
+        assert s.compose("port", "--protocol", proto, "qbittorrent", port).strip() == f"127.0.0.1:{port}", (
+            proto
+        )
+    payload = tmp_path / "peer-probe.bin"
+    payload.write_bytes(os.urandom(64 * 1024))
+    torrent, infohash = make_torrent(payload)
+    qbt_api(
+        s,
+        "-F",
+        "torrents=@-;filename=probe.torrent",
+        "http://127.0.0.1:8080/api/v2/torrents/add",
+        stdin=torrent,
+    )
+    try:
+        wait_for(
+            lambda: infohash in qbt_api(s, f"http://127.0.0.1:8080/api/v2/torrents/info?hashes={infohash}"),
+            30,
+            what="qBittorrent to take the probe torrent",
+        )
+        assert (
+            wait_for(lambda: peer_handshake(int(port), infohash).hex(), 30, interval=1, what="a handshake")
+            == infohash
+        )
+    finally:
+        qbt_api(
+            s, "-d", f"hashes={infohash}&deleteFiles=true", "http://127.0.0.1:8080/api/v2/torrents/delete"
+        )
+
+
+def test_the_readme_operator_path_secrets_in_env_file_exec_no_secret_in_ps_and_an_upgrade(
+    stack: Stack, tmp_path: Path
+) -> None:
+    op = stack
+    # The upgraded image (below) builds meanwhile.
+    building = ThreadPoolExecutor(1)
+    upgrade = building.submit(upgraded_image, tmp_path, f"proj/app:upgrade-{op.project}")
+    # The README puts the secrets in `.env` (the fixture ran its lines): given only on `up`'s
+    # command line, every later `docker compose` command (exec, logs, ps, down) refuses to run.
+    assert "ADMIN_PASSWORD=… API_TOKEN=… HOOK_TOKEN=… docker" not in docker_section()
+    assert (
+        ".env" in (ROOT / ".gitignore").read_text().split()
+        and ".env" in (ROOT / ".dockerignore").read_text().split()
+    )
+    op.wait_healthy()
+    assert op.compose("exec", "-T", "admin", "proj", "requests").startswith("id\ttitle\trequester")
+
+    # No secret on any process' command line (`ps` shows it to every local user), qBittorrent's
+    # on-finish hook included: here it retries an admin that refuses, for some seconds.
+    hook = subprocess.Popen(
+        [
+            "docker",
+            "exec",
+            op.container("qbittorrent"),
+            "sh",
+            "-c",
+            "PROJ_HOOK_URL=http://admin:9/x on-finished 0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(
+        lambda: "on-finished" in docker("top", op.container("qbittorrent"), "-eo", "pid,args").stdout,
+        10,
+        what="the on-finish hook to run",
+    )
+    time.sleep(0.5)
+    for svc in ("qbittorrent", *(s for s in SERVICES if s != "qbittorrent")):
+        top = docker("top", op.container(svc), "-eo", "pid,args").stdout
+        leaked = [k for k, v in op.secrets.items() if v in top]
+        assert not leaked, f"{svc} shows {leaked} on its command line:\n{top}"
+        # and its log is capped (test_every_container_rotates_its_logs), as Docker applies it
+        assert op.inspect(svc, '{{index .HostConfig.LogConfig.Config "max-size"}}') == "10m", svc
+    hook_ends_by = time.monotonic() + 30  # its retries of the refusing admin end meanwhile
+
+    # Upgrade: a rebuilt image with a new migration, `docker compose up -d` again: migrate runs
+    # it before any app container of the new image starts, and they come up healthy on it.
+    before = op.inspect("migrate", "{{.State.FinishedAt}}")
+    tag = upgrade.result()
+    building.shutdown()
+    override = tmp_path / "upgrade.yaml"
+    override.write_text(
+        "services:\n" + "".join(f'  {s}: {{image: "{tag}"}}\n' for s in ("migrate", *APP_SERVICES))
+    )
+    try:
+        op.compose("up", "-d", "--no-build", files=(str(override),))
+        hook.wait(max(0.0, hook_ends_by - time.monotonic()))
+        op.wait_healthy()
+        migrated = op.inspect("migrate", "{{.State.FinishedAt}}")
+        assert migrated > before and op.inspect("migrate", "{{.State.ExitCode}}") == "0"
+        for svc in APP_SERVICES:
+            assert op.inspect(svc, "{{.Config.Image}}") == tag
+            assert op.inspect(svc, "{{.State.StartedAt}}") > migrated, f"{svc} started before migrate"
+        version = docker(
+            "exec", op.container("postgres"), "psql", "-U", "proj", "-d", "proj", "-Atc",
+            "TABLE alembic_version",
+        ).stdout.split()  # fmt: skip
+        assert version == ["9999_upgrade_probe"]
+    finally:
+        op.down(str(override))  # on an image about to go: no later test can use this stack
+        docker("rmi", "-f", tag, check=False)
