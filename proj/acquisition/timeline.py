@@ -42,6 +42,10 @@ _STATES: dict[str, State] = {
     "relocated": "ok",
     "torrent added": "active",
     "cancel requested": "warn",
+    # an outage the request waits out (`proj.kinds.common.note_outage`): nothing is wrong with it
+    "qBittorrent unreachable": "warn",
+    "library disk not mounted": "warn",
+    "webhook unreachable": "warn",
     "compensated": "warn",
     "corruption found": "error",
 }

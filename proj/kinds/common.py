@@ -192,6 +192,12 @@ def note_unreachable(task_id: uuid.UUID, exc: BaseException) -> None:
     letter (`tests/integration/test_qbt_review.py::
     test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks`).
     """
+    note_outage(task_id, UNREACHABLE, exc)
+
+
+def note_outage(task_id: uuid.UUID, what: str, exc: BaseException) -> None:
+    """Put `what` on the request's timeline, with the error, unless it is its latest event
+    already: once per outage, however many attempts wait it out."""
     with db.transaction() as s:
         last = s.scalar(
             select(TaskEvent.what)
@@ -199,8 +205,8 @@ def note_unreachable(task_id: uuid.UUID, exc: BaseException) -> None:
             .order_by(TaskEvent.id.desc())
             .limit(1)
         )
-        if last != UNREACHABLE:
-            service.event(s, task_id, UNREACHABLE, error=str(exc)[:300])
+        if last != what:
+            service.event(s, task_id, what, error=str(exc)[:300])
 
 
 def while_qbittorrent_down(body: Callable[[StepContext], R]) -> Callable[[StepContext], R]:
@@ -226,8 +232,20 @@ def while_qbittorrent_down(body: Callable[[StepContext], R]) -> Callable[[StepCo
     return run
 
 
+LIBRARY_UNAVAILABLE = "library disk not mounted"
+
+
 class LibraryUnavailable(Unavailable):
     """The library root is not there: its disk is unmounted (or not yet mounted)."""
+
+
+def library_mounted(task_id: uuid.UUID, root: Path) -> None:
+    """`require_mounted`, and the request's timeline says so once per outage."""
+    try:
+        require_mounted(root)
+    except LibraryUnavailable as exc:
+        note_outage(task_id, LIBRARY_UNAVAILABLE, exc)
+        raise
 
 
 def require_mounted(root: Path) -> None:

@@ -22,12 +22,12 @@ from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step
 from proj.kinds.common import (
     TaskInput,
     download_dir,
+    library_mounted,
     library_path,
     library_rel,
     library_root,
     load_task,
     recorded_root,
-    require_mounted,
     torrent_library_paths,
 )
 from proj.settings import get_settings
@@ -46,7 +46,7 @@ def verify(ctx: StepContext) -> dict[str, Any]:
     torrents.verify_pieces(task.torrent, download_dir())
     # Before the first byte is copied: the library's disk is there, and the files not yet in
     # the library fit on it.
-    require_mounted(library_root())
+    library_mounted(task.id, library_root())
     library.check_space(library_root(), _missing_bytes(task, meta))
     files = [
         {"rel_path": f.rel_path, "size": f.size, "mtime_ns": _source_stamp(meta, f)[1]} for f in meta.files
@@ -147,7 +147,7 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             att.check()
 
         _still_verified(task, meta, src, ctx.item)
-        require_mounted(root)  # never `mkdir -p` a root whose disk dropped since `verify`
+        library_mounted(task.id, root)  # never `mkdir -p` a root whose disk dropped since `verify`
         before = src.stat()
         # Earlier attempts' leftovers (this attempt is current), never another file of the torrent.
         library.remove_temp_files(dst, keep=others)

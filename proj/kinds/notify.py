@@ -11,7 +11,7 @@ from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, NotDone, effect
 from proj.engine.errors import NonRetryable, Unavailable
 from proj.engine.kind import Kind, RetryPolicy, register, step
-from proj.kinds.common import TaskInput, load_task
+from proj.kinds.common import TaskInput, load_task, note_outage
 
 
 def post_webhook(ctx: StepContext) -> dict[str, Any]:
@@ -44,17 +44,27 @@ def post_webhook(ctx: StepContext) -> dict[str, Any]:
 
     try:
         result = effect(ctx, key, {"url": task.webhook_url}, do, reconcile, effect_kind="http")
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        raise ReceiverDown(f"the webhook {task.webhook_url} did not answer: {exc}") from exc
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code not in DOWN_STATUSES:
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.HTTPStatusError) as exc:
+        down = receiver_down(task.webhook_url, exc)
+        if down is None:
             raise
-        status = exc.response.status_code
-        raise ReceiverDown(f"the webhook {task.webhook_url} answered {status}: it is down") from exc
+        note_outage(task.id, WEBHOOK_DOWN, down)
+        raise down from exc
     with ctx.finish(result) as s:
         if service.advance_status(s, task.id, "notified"):  # not again on a retry
             service.event(s, task.id, "requester notified", status=result.get("status"))
     return result
+
+
+def receiver_down(url: str, exc: Exception) -> ReceiverDown | None:
+    """The outage `exc` says the receiver is in, or None: refused or no connection in time, or a
+    gateway's 502/503/504 (the receiver behind it is not there)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+        if status not in DOWN_STATUSES:
+            return None
+        return ReceiverDown(f"the webhook {url} answered {status}: it is down")
+    return ReceiverDown(f"the webhook {url} did not answer: {exc}")
 
 
 def refused_for_good(status: int) -> bool:
@@ -75,6 +85,9 @@ def refused_for_good(status: int) -> bool:
 # request was sent) counts: the receiver saw the call, so sending it for a day is no kinder.
 WEBHOOK_RETRY = RetryPolicy(max_attempts=12, initial_s=2.0, max_s=600.0, outage_s=24 * 3600.0)
 DOWN_STATUSES = frozenset({502, 503, 504})
+
+
+WEBHOOK_DOWN = "webhook unreachable"
 
 
 class ReceiverDown(Unavailable):

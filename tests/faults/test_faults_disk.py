@@ -175,6 +175,8 @@ def test_an_import_waits_for_its_library_disk_and_writes_nothing_meanwhile(
     assert list(mount_point.iterdir()) == []  # nothing on the system disk
     error = import_run(task_id)[2] or {}
     assert error.get("type") == "LibraryUnavailable" and "is its disk mounted?" in error["message"], error
+    notes = "SELECT count(*) FROM acq.task_event WHERE download_task_id = %s AND what = %s"
+    assert scalar(notes, (task_id, "library disk not mounted")) == 1  # on its timeline, once
 
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True

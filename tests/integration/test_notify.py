@@ -114,3 +114,10 @@ def test_a_receiver_that_is_not_there_is_an_outage_that_spends_no_attempt(publis
     assert scalar("SELECT attempts - outages FROM engine.step WHERE id = %s", (step,)) == 0
     error = scalar("SELECT last_error FROM engine.task_run WHERE id = %s", (ref.task_run_id,))
     assert error["type"] == "ReceiverDown" and "did not answer" in error["message"], error
+    task = scalar("SELECT input->>'download_task_id' FROM engine.task_run WHERE id = %s", (ref.task_run_id,))
+    assert protocol.execute(step) == "noop"  # not due yet: its backoff
+    sql("UPDATE engine.step SET next_attempt_at = now() WHERE id = %s", (step,))
+    assert protocol.execute(step) == "unavailable"
+    # The request's timeline says why it does not move, once for the outage.
+    notes = "SELECT count(*) FROM acq.task_event WHERE download_task_id = %s AND what = %s"
+    assert scalar(notes, (task, "webhook unreachable")) == 1
