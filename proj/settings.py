@@ -40,6 +40,14 @@ class Settings(BaseSettings):
         ge=0,
         description="how often a worker process looks for steps of dead workers (0: leases only)",
     )
+    reap_grace_s: float = Field(
+        default=0.4,
+        ge=0,
+        description=(
+            "how long a worker's liveness lock stays free before its steps are taken over: more than "
+            "REAP_INTERVAL_S plus a reconnect, so a live worker whose session dropped takes it back first"
+        ),
+    )
     republish_after_s: float = Field(
         default=30.0, gt=0, description="re-publish a pending step whose message seems lost"
     )

@@ -11,10 +11,16 @@ How:
   'proj-liveness'`) holding a session-level advisory lock on a random key of its own. Its lease
   owner, written by the claim, names that key and the postmaster start time it was taken under:
   `host:pid#<key>@<postmaster start, µs>`.
-- Every `REAP_INTERVAL_S` each such process runs `store.leases.end_leases_of_dead_owners` on that connection:
-  a running step whose owner's lock is no longer held by anyone, on the same postmaster, has its
-  lease end now. Then an ordinary `sweep()` recovers it, so fencing, retries, the attempt count,
-  slot hand-off and publishing are exactly those of an expired lease.
+- Every `REAP_INTERVAL_S` each such process looks, on that connection, for running steps whose
+  owner's lock nobody holds on the same postmaster (`store.leases.free_owner_keys`). A key still
+  free `REAP_GRACE_S` after it was first seen so has its leases ended
+  (`store.leases.end_leases_of_dead_owners`). Then an ordinary `sweep()` recovers them, so
+  fencing, retries, the attempt count, slot hand-off and publishing are exactly those of an
+  expired lease.
+- The grace is for a process that lives but lost its session (an admin's
+  `pg_terminate_backend`, a connection reset): it takes the same key again at its next reap
+  tick, before the grace ends, and nobody takes its steps over while it still runs them
+  (`Suspects`, `tests/integration/test_liveness.py`).
 - A frozen (SIGSTOP) or partitioned process keeps its session, so its lock, so its lease: it is
   recovered by lease expiry only, and its late commit is refused by the token fence
   (`tests/faults/test_recovery_fast.py`). A Postgres restart drops every lock but kills no worker: the
@@ -36,6 +42,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import psycopg
@@ -62,6 +69,31 @@ def _conninfo() -> str:
     return libpq_url(s.liveness_database_url or s.database_url or "")
 
 
+class Suspects:
+    """Liveness keys this reaper saw free, and since when (monotonic seconds).
+
+    Why: a key is also free for a moment while its process lives, between the loss of its
+    session and the retake of the key at that process' next reap tick. Ending its leases then
+    would start a second copy of a body that still runs (fenced, but run twice at once). A key
+    free for `grace` seconds is a dead process: its process would have taken it again
+    (`tests/integration/test_liveness.py::
+    test_a_live_process_that_lost_its_session_keeps_its_steps`)."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}
+
+    def dead(self, free: set[int], now: float, grace: float) -> list[int]:
+        """Note `free` (the keys free now) and return those free for `grace` seconds."""
+        self._since = {key: self._since.get(key, now) for key in free}
+        return sorted(key for key, since in self._since.items() if now - since >= grace)
+
+    def due_in(self, now: float, grace: float) -> float | None:
+        """Seconds until the earliest suspect's grace ends (None: no suspect)."""
+        if not self._since:
+            return None
+        return max(0.0, min(self._since.values()) + grace - now)
+
+
 class Liveness:
     """This process' liveness lock, its lease owner name, and the reaper loop."""
 
@@ -75,6 +107,7 @@ class Liveness:
         self._key = 0  # this process' advisory key, kept across reconnects
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._suspects = Suspects()
 
     def owner(self) -> str:
         """The lease owner to write on a claim; takes the lock first, once per process."""
@@ -94,6 +127,7 @@ class Liveness:
             # (closing would end the parent's session and so release the parent's lock).
             self._conn, self._owner, self._key, self._pid = None, "", 0, os.getpid()
             self._held = set()
+            self._suspects = Suspects()
             self._stop.clear()
             if get_settings().reap_interval_s <= 0:
                 return
@@ -162,21 +196,32 @@ class Liveness:
                 return
             self._held |= set(new)
 
+    def _next_tick(self) -> float:
+        """The reap interval, or less when a suspect's grace ends sooner: a dead process is
+        recovered `REAP_GRACE_S` after it was first seen, not at the tick after that."""
+        s = get_settings()
+        due = self._suspects.due_in(time.monotonic(), s.reap_grace_s)
+        return s.reap_interval_s if due is None else min(s.reap_interval_s, due + 0.005)
+
     def _loop(self) -> None:
-        while not self._stop.wait(get_settings().reap_interval_s):
+        while not self._stop.wait(self._next_tick()):
             if self._pid != os.getpid():
                 return  # a forked child runs its own loop
-            try:
-                self.reap()
-            except psycopg.Error as exc:
-                conn = self._conn
-                if conn is not None and not conn.closed and not conn.broken:
-                    log.warning("liveness: reap failed (%s); the session and its lock are kept", exc)
-                    continue
-                log.warning("liveness: session lost (%s); reconnecting", exc)
-                self._reconnect()
-            except Exception:  # keep reaping; the lease path still recovers everything
-                log.exception("liveness: reap failed")
+            self.tick()
+
+    def tick(self) -> None:
+        """One turn of the reaper loop: reap; a lost session is replaced under the same key."""
+        try:
+            self.reap()
+        except psycopg.Error as exc:
+            conn = self._conn
+            if conn is not None and not conn.closed and not conn.broken:
+                log.warning("liveness: reap failed (%s); the session and its lock are kept", exc)
+                return
+            log.warning("liveness: session lost (%s); reconnecting", exc)
+            self._reconnect()
+        except Exception:  # keep reaping; the lease path still recovers everything
+            log.exception("liveness: reap failed")
 
     def _reconnect(self) -> None:
         old, self._conn, self._owner = self._conn, None, ""
@@ -186,11 +231,16 @@ class Liveness:
         self._connect()  # at once: the key is free for others' reapers until it is taken again
 
     def reap(self) -> int:
-        """End the leases of steps whose owner's session is gone, then recover them at once."""
+        """End the leases of steps whose owner's session is gone for the grace period, then
+        recover them at once."""
         if self._conn is None:
             self._reconnect()
             return 0
-        rows = store.end_leases_of_dead_owners(self._conn)
+        free = store.free_owner_keys(self._conn)
+        dead = self._suspects.dead(free, time.monotonic(), get_settings().reap_grace_s)
+        if not dead:
+            return 0
+        rows = store.end_leases_of_dead_owners(self._conn, dead)
         if not rows:
             return 0
         log.info("liveness: %d step(s) of dead worker(s) %s", len(rows), sorted({r.owner for r in rows}))

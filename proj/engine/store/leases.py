@@ -19,7 +19,8 @@ the table names others.
 | `results` | | the run's committed step results |
 | `lock_and_identify` | | this session's liveness lock, the postmaster start |
 | `serve_versions` | | shared locks naming the version queues this session's process consumes |
-| `end_leases_of_dead_owners` | running, owner's session gone (same postmaster) | lease ended now |
+| `free_owner_keys` | | the owners' keys of running steps whose session is gone (same postmaster) |
+| `end_leases_of_dead_owners` | running, owner's key among these and still free | lease ended now |
 """
 
 from __future__ import annotations
@@ -86,7 +87,11 @@ SERVE_VERSIONS = """
     SELECT count(*) FILTER (WHERE pg_try_advisory_lock_shared(%(ns)s, hashtext(k || '.v' || v::text)))
       FROM unnest(%(kinds)s::text[], %(versions)s::int[]) AS kv(k, v)
 """
-END_LEASES_OF_DEAD_OWNERS = """
+# A running step's lease owner whose liveness lock nobody holds, on this postmaster: the process
+# died, or its session dropped while it lives (it takes the same key again within a reap
+# interval). The reaper ends such leases only for keys it saw free a grace period ago
+# (`proj.engine.liveness.Suspects`), and the ending statement checks the lock again.
+_FREE_OWNERS = """
     WITH held AS (
         SELECT (l.classid::bigint << 32) | l.objid::bigint AS key
           FROM pg_locks l
@@ -94,15 +99,31 @@ END_LEASES_OF_DEAD_OWNERS = """
            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
     ), incarnation AS (
         SELECT ((extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint)::text AS start
+    ), owned AS (
+        SELECT s.id, s.lease_owner, split_part(split_part(s.lease_owner, '#', 2), '@', 1)::bigint AS key
+          FROM engine.step s
+         WHERE s.status = 'running' AND s.lease_until >= now()
+           AND s.lease_owner ~ '#[0-9]+@[0-9]+$'
+           AND split_part(s.lease_owner, '@', 2) = (SELECT start FROM incarnation)
     )
+"""
+FREE_OWNER_KEYS = (
+    _FREE_OWNERS
+    + """
+    SELECT DISTINCT o.key FROM owned o WHERE o.key NOT IN (SELECT key FROM held)
+"""
+)
+END_LEASES_OF_DEAD_OWNERS = (
+    _FREE_OWNERS
+    + """
     UPDATE engine.step s
        SET lease_until = now() - interval '1 millisecond'
-     WHERE s.status = 'running' AND s.lease_until >= now()
-       AND s.lease_owner ~ '#[0-9]+@[0-9]+$'
-       AND split_part(s.lease_owner, '@', 2) = (SELECT start FROM incarnation)
-       AND split_part(split_part(s.lease_owner, '#', 2), '@', 1)::bigint NOT IN (SELECT key FROM held)
+      FROM owned o
+     WHERE s.id = o.id AND s.status = 'running' AND s.lease_until >= now()
+       AND o.key = ANY(%(keys)s::bigint[]) AND o.key NOT IN (SELECT key FROM held)
  RETURNING s.id, s.lease_owner
 """
+)
 
 
 class Renewed(NamedTuple):
@@ -172,6 +193,14 @@ def serve_versions(conn: psycopg.Connection[Any], versions: Sequence[tuple[str, 
     return int(row[0]) if row else 0
 
 
-def end_leases_of_dead_owners(conn: psycopg.Connection[Any]) -> list[DeadOwnerLease]:
-    """End the leases whose owner's liveness session is gone (the reaper, on its own session)."""
-    return [DeadOwnerLease(int(r[0]), str(r[1])) for r in conn.execute(END_LEASES_OF_DEAD_OWNERS).fetchall()]
+def free_owner_keys(conn: psycopg.Connection[Any]) -> set[int]:
+    """The liveness keys named by running steps' owners (this postmaster) that nobody holds: each
+    a dead process, or a live one between its session's loss and its retake of the key."""
+    return {int(r[0]) for r in conn.execute(FREE_OWNER_KEYS).fetchall()}
+
+
+def end_leases_of_dead_owners(conn: psycopg.Connection[Any], keys: Sequence[int]) -> list[DeadOwnerLease]:
+    """End the leases owned under `keys` whose lock is still free (the reaper, on its own
+    session, for keys it saw free a grace period ago)."""
+    rows = conn.execute(END_LEASES_OF_DEAD_OWNERS, {"keys": list(keys)}).fetchall()
+    return [DeadOwnerLease(int(r[0]), str(r[1])) for r in rows]
