@@ -43,6 +43,16 @@ class LibraryFull(OSError):
         self.root, self.needed, self.free = root, needed, free
 
 
+class DigestMismatch(RuntimeError):
+    """The bytes a copy read are not the ones verified: their sha256 differs from the one it was
+    told to expect. Raised before the rename, so the destination never holds them (the temp file
+    is removed)."""
+
+    def __init__(self, src: Path, expected: str, got: str) -> None:
+        super().__init__(f"{src} is not what was verified: sha256 {got[:16]}…, verified {expected[:16]}…")
+        self.src, self.expected, self.got = src, expected, got
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes for an unprivileged writer on `path`'s filesystem (its nearest existing dir)."""
     while not path.exists() and path != path.parent:
@@ -134,8 +144,12 @@ def copy_file(
     checkpoint: Callable[[], None] = lambda: None,
     progress: Callable[[int, int], None] | None = None,
     chunk: int = CHUNK,
+    expect_sha256: str | None = None,
 ) -> dict[str, object]:
     """Copy `src` to `dst` durably. `checkpoint()` runs before each chunk and may raise to stop.
+    With `expect_sha256`, bytes of another digest never reach `dst` (`DigestMismatch`, checked
+    before the fsync and the rename; the temp file is removed): the sha256 is the one this
+    copy computes anyway, so the check costs one comparison.
 
     The destination appears only complete (rename after fsync, of the file, of its folder and of
     every folder created for it); an interrupted copy leaves a
@@ -182,6 +196,8 @@ def copy_file(
                     progress(done, total)
             if hashing is not None:
                 hashing.result()
+            if expect_sha256 is not None and h.hexdigest() != expect_sha256:
+                raise DigestMismatch(src, expect_sha256, h.hexdigest())
             os.fsync(fout.fileno())
         checkpoint()
         os.replace(tmp, dst)

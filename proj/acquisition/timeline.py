@@ -48,6 +48,9 @@ _STATES: dict[str, State] = {
     "webhook unreachable": "warn",
     "compensated": "warn",
     "corruption found": "error",
+    # a copy read other bytes than `verify` checked (`proj.kinds.importing`)
+    "download corrupt": "error",
+    "download changed during its copy": "warn",
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -18,6 +18,7 @@ from proj.acquisition import library, service, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem
 from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
+from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step
 from proj.kinds.common import (
     TaskInput,
@@ -40,16 +41,24 @@ class ImportInput(TaskInput):
 
 
 def verify(ctx: StepContext) -> dict[str, Any]:
-    """Sizes and every piece hash must match before a byte reaches the library."""
+    """Sizes and every piece hash must match before a byte reaches the library. Each file's
+    sha256, read in the same pass, is noted in the result: the digest a copy must reproduce
+    (`copy_one`), whatever happens to the download folder meanwhile."""
     task = load_task(ctx)
     meta = torrents.parse(task.torrent)
-    torrents.verify_pieces(task.torrent, download_dir())
+    digests = torrents.verify_pieces(task.torrent, download_dir())
     # Before the first byte is copied: the library's disk is there, and the files not yet in
     # the library fit on it.
     library_mounted(task.id, library_root())
     library.check_space(library_root(), _missing_bytes(task, meta))
     files = [
-        {"rel_path": f.rel_path, "size": f.size, "mtime_ns": _source_stamp(meta, f)[1]} for f in meta.files
+        {
+            "rel_path": f.rel_path,
+            "size": f.size,
+            "mtime_ns": _source_stamp(meta, f)[1],
+            "sha256": digests[f.rel_path],
+        }
+        for f in meta.files
     ]
     result = {"name": meta.name, "files": files}
     with ctx.finish(result) as s:
@@ -69,10 +78,23 @@ class SourceChanged(RuntimeError):
     """The downloaded file changed while it was copied: the copy is removed and retried."""
 
 
-def _still_verified(task: DownloadTask, meta: torrents.TorrentMeta, src: Path, item: dict[str, Any]) -> None:
-    """Before a copy: a source whose size or mtime moved since the piece check is checked again
-    (`BadTorrent` if its pieces no longer match), so bytes nobody verified never become the
-    library's recorded sha256.
+class DownloadCorrupt(torrents.BadTorrent, NonRetryable):
+    """A downloaded file whose pieces matched at `verify` no longer does when its copy read it:
+    the run fails at once (a dead letter, as a payload that does not match at `verify` ends).
+    A retry a second later would read the same bytes; the cure is qBittorrent's recheck, which
+    downloads the bad pieces again, then `proj resolve --retry`."""
+
+
+# The request's timeline, when a copy read other bytes than `verify` checked.
+DOWNLOAD_CORRUPT = "download corrupt"
+DOWNLOAD_CHANGED = "download changed during its copy"
+
+
+def _still_verified(ctx: StepContext, task: DownloadTask, src: Path, item: dict[str, Any]) -> None:
+    """Before a copy: a source whose size or mtime moved since the piece check has its pieces
+    checked again (`DownloadCorrupt` if they no longer match), so a copy is not spent on bytes
+    that cannot be the verified ones. Rot that keeps both is caught by the copy's digest
+    (`_not_what_was_verified`).
 
     Why: a copy retried after the operator fixed its cause (or simply run later) copied whatever
     the download folder then held, a file a tagger had rewritten or the disk had rotted, and its
@@ -85,7 +107,49 @@ def _still_verified(task: DownloadTask, meta: torrents.TorrentMeta, src: Path, i
         return
     st = src.stat()
     if (st.st_size, st.st_mtime_ns) != (int(item["size"]), int(seen)):
-        torrents.verify_pieces(task.torrent, download_dir())
+        _pieces_still_match(ctx, task, item["rel_path"], "its size or mtime changed")
+
+
+def _not_what_was_verified(
+    ctx: StepContext, task: DownloadTask, rel_path: str, mismatch: library.DigestMismatch
+) -> NoReturn:
+    """A copy read bytes whose sha256 is not the one `verify` noted (its temp file is gone
+    already): check this file's pieces again to tell rot from a passing change.
+
+    - The pieces fail: the download rotted (or was rewritten) after `verify` checked it, though
+      its size and mtime may be as they were. `DownloadCorrupt`: the run fails at once, saying
+      "payload does not match the torrent's piece hashes", and the timeline says which file.
+    - The pieces match again (a tagger wrote the file and put it back, a read that returned
+      other bytes once): `SourceChanged`, and the next attempt copies again, held to the same
+      digest; three such attempts end in a dead letter like any other failure.
+
+    Either way the library never records a digest other than the verified one
+    (`tests/integration/test_library_leftovers.py::
+    test_a_download_rotting_after_its_piece_check_never_reaches_the_library`,
+    `::test_a_download_changed_and_restored_during_its_copy_is_copied_again`).
+    """
+    _pieces_still_match(ctx, task, rel_path, str(mismatch))
+    _note(ctx, task.id, DOWNLOAD_CHANGED, rel_path=rel_path, error=str(mismatch))
+    raise SourceChanged(f"{mismatch}; its pieces match again, so the copy is retried") from mismatch
+
+
+def _pieces_still_match(ctx: StepContext, task: DownloadTask, rel_path: str, what: str) -> None:
+    """Check the pieces covering `rel_path` again; if they fail, the request's timeline says
+    `download corrupt` and the step raises `DownloadCorrupt` (the run fails at once)."""
+    try:
+        torrents.verify_pieces(task.torrent, download_dir(), only=rel_path)
+    except torrents.BadTorrent as bad:
+        _note(ctx, task.id, DOWNLOAD_CORRUPT, rel_path=rel_path, error=str(bad))
+        raise DownloadCorrupt(
+            f"{bad}: {rel_path} changed after the import verified it ({what}); recheck the torrent "
+            "in qBittorrent, which downloads the bad pieces again, then retry"
+        ) from bad
+
+
+def _note(ctx: StepContext, task_id: uuid.UUID, what: str, **detail: Any) -> None:
+    """An event on the request's timeline, only while this attempt holds its lease."""
+    with ctx.fenced() as s:
+        service.event(s, task_id, what, **{k: str(v)[:300] for k, v in detail.items()})
 
 
 def _already_copied(dst: Path, size: int) -> bool:
@@ -146,30 +210,37 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             ctx.checkpoint()
             att.check()
 
-        _still_verified(task, meta, src, ctx.item)
+        _still_verified(ctx, task, src, ctx.item)
         library_mounted(task.id, root)  # never `mkdir -p` a root whose disk dropped since `verify`
         before = src.stat()
+        verified = ctx.item.get("sha256")  # None: verified by a version that did not note it
         # Earlier attempts' leftovers (this attempt is current), never another file of the torrent.
         library.remove_temp_files(dst, keep=others)
         library.check_space(dst.parent, size)  # clear reason now, rather than ENOSPC halfway
-        copied = library.copy_file(
-            src,
-            dst,
-            att.token.hex,
-            checkpoint=checkpoint,
-            progress=progress,
-            chunk=get_settings().copy_chunk_bytes,
-        )
+        try:
+            copied = library.copy_file(
+                src,
+                dst,
+                att.token.hex,
+                checkpoint=checkpoint,
+                progress=progress,
+                chunk=get_settings().copy_chunk_bytes,
+                expect_sha256=verified,
+            )
+        except library.DigestMismatch as mismatch:
+            _not_what_was_verified(ctx, task, rel_path, mismatch)
         after = src.stat()
-        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        if verified is None and (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
             dst.unlink(missing_ok=True)  # the next attempt checks the pieces again
             raise SourceChanged(f"{src} changed while it was copied")
         return {**copied, **library.file_id(dst)}  # which file is ours (`_moved_meanwhile`)
 
     def reconcile(att: Attempt) -> Done[dict[str, Any]] | NotDone:
+        # A copy is done when it holds the verified bytes (read once), never merely the source's
+        # bytes of now; a version that noted no digest compares with the source.
         if dst.exists() and dst.stat().st_size == size:
             digest = library.sha256_file(dst)
-            if digest == library.sha256_file(src):
+            if digest == (ctx.item.get("sha256") or library.sha256_file(src)):
                 found = {"path": str(dst), "size": size, "sha256": digest, "reconciled": True}
                 return Done({**found, **library.file_id(dst)})
         return NotDone("destination missing or different")

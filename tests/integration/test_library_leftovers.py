@@ -1,21 +1,32 @@
 """What the library kinds leave behind when a run does not go its whole way: a relocate given up
 after its copy, a relocate that meets a repair of its item, and corruption that keeps a file's
-size and mtime (`proj/kinds/relocate.py`, `proj/kinds/compensate.py`,
-`proj/kinds/verify_library.py`). Each test here failed on the code before its fix.
+size and mtime, in the library or in the download folder between the import's piece check and
+its copy (`proj/kinds/relocate.py`, `proj/kinds/compensate.py`, `proj/kinds/verify_library.py`,
+`proj/kinds/importing.py`). Each test here failed on the code before its fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
+import pytest
+import torf
 from psycopg.types.json import Jsonb
 
 import proj.celery  # noqa: F401 - registers every kind
-from proj.engine import runs
+from proj import db
+from proj.acquisition import library
+from proj.acquisition.models import DownloadTask
+from proj.admin import queries
+from proj.engine import protocol, runs
 from proj.kinds import relocate as relocate_kind
+from proj.settings import get_settings
 from tests.acq_fixtures import *  # noqa: F403
+from tests.conftest import new_key
 from tests.integration.test_library_review import enqueue_periodic, events_of, imported_task, make_torrent
 from tests.integration.test_library_review import run_status as status_of_key
 from tests.integration.test_relocate_overlap import (
@@ -28,6 +39,7 @@ from tests.integration.test_relocate_overlap import (
     wait_ended,
 )
 from tests.support.services import scalar, sql, wait_for
+from tests.support.steps import first_step
 
 SLOW_SMALL_COPY = {"COPY_CHUNK_BYTES": "16384", "FAULT_CHUNK_DELAY_S": "0.04"}  # 1 MiB in 2.6 s
 
@@ -301,3 +313,143 @@ def test_verify_library_finds_a_truncated_or_missing_file_in_the_next_run(procs,
         items[2][0],
         items[3][0],
     ]
+
+
+# ------------------------------------------ a download rotting between the piece check and the copy
+
+
+def downloaded_task(t: torf.Torrent, files: dict[str, bytes]) -> uuid.UUID:
+    """A request whose torrent `t` has finished downloading: the import's to run."""
+    task_id = uuid.uuid4()
+    with db.sessions().begin() as s:
+        s.add(
+            DownloadTask(
+                id=task_id,
+                requester="olga",
+                title=t.name,
+                infohash=t.infohash.lower(),
+                torrent=t.dump(),
+                files=[{"rel_path": rel, "size": len(data)} for rel, data in files.items()],
+                total_size=sum(len(d) for d in files.values()),
+                status="downloaded",
+            )
+        )
+    return task_id
+
+
+@pytest.fixture
+def one_step_at_a_time(published, monkeypatch, tmp_path: Path) -> tuple[Path, Path]:  # noqa: ANN001
+    """Steps run here, one per `protocol.execute` (no inline chain), on a download folder and a
+    library root of this test's own: (downloads, library)."""
+    downloads, lib = tmp_path / "downloads", tmp_path / "lib"
+    lib.mkdir()
+    monkeypatch.setattr(get_settings(), "inline_steps", 0)
+    monkeypatch.setattr(get_settings(), "download_dir", str(downloads))
+    monkeypatch.setattr(get_settings(), "library_root", str(lib))
+    return downloads, lib
+
+
+def run_next(run_id: uuid.UUID) -> list[str]:
+    """Run every step of the run that is waiting for its turn, now (its backoff skipped), as a
+    worker would on their messages; their outcomes."""
+    due = sql("SELECT id FROM engine.step WHERE run_id = %s AND status = 'pending' ORDER BY id", (run_id,))
+    sql("UPDATE engine.step SET next_attempt_at = now() WHERE run_id = %s AND status = 'pending'", (run_id,))
+    return [protocol.execute(step_id, limited=False) for (step_id,) in due]
+
+
+def run_status(run_id: uuid.UUID) -> str:
+    return str(scalar("SELECT status FROM engine.task_run WHERE id = %s", (run_id,)))
+
+
+def run_to_end(run_id: uuid.UUID) -> str:
+    for _ in range(10):
+        if run_status(run_id) in ("succeeded", "failed", "canceled"):
+            break
+        run_next(run_id)
+    return run_status(run_id)
+
+
+def timeline(run_id: uuid.UUID) -> list[tuple[str, str, str]]:
+    """The run's page as the operator reads it: (title, detail, state) of each line."""
+    with db.sessions()() as s:
+        detail = queries.run_detail(s, run_id)
+    assert detail is not None
+    return [(e.title, e.detail, e.state) for e in detail.timeline]
+
+
+def library_files(lib: Path) -> list[Path]:
+    """Every file under the library root, temp files included."""
+    return sorted(p for p in lib.rglob("*") if p.is_file())
+
+
+def test_a_download_rotting_after_its_piece_check_never_reaches_the_library(
+    one_step_at_a_time: tuple[Path, Path],
+) -> None:
+    """`verify` checks every piece; then, before the copy reads it, the downloaded file rots in
+    place, its size and mtime kept. Before: the copy saw an unchanged stamp, copied the rotten
+    bytes and recorded their sha256 as the library's truth (`verify_library` would forever
+    agree with it). Now `verify` notes each file's sha256 from its piece-checking read, the copy
+    refuses other bytes before its rename (its temp file removed), checks the file's pieces
+    again, finds them failing and ends the run a dead letter saying the payload does not match
+    the torrent; the request's timeline names the file. Nothing is in the library."""
+    downloads, lib = one_step_at_a_time
+    files = {"a.bin": os.urandom(300_000)}
+    t = make_torrent(downloads, "Show", files)
+    task_id = downloaded_task(t, files)
+    run_id = runs.enqueue("import", {"download_task_id": str(task_id)}, idempotency_key=new_key()).task_run_id
+
+    assert protocol.execute(first_step(run_id), starts_run=True, limited=False) == "succeeded"  # verify
+    rot_in_place(downloads / "Show" / "a.bin", at=150_000)
+    recorded = "SELECT rel_path, sha256 FROM acq.library_item WHERE download_task_id = %s"
+    assert run_to_end(run_id) == "failed", f"the rotten bytes were recorded: {sql(recorded, (task_id,))}"
+
+    error = last_error(run_id)
+    assert "does not match the torrent's piece hashes" in error and "a.bin" in error, error
+    assert "DownloadCorrupt" in error, "failed at once: a retry reads the same rotten bytes"
+    assert sql(recorded, (task_id,)) == []
+    assert library_files(lib) == [], "the rotten copy (or its temp file) reached the library"
+    assert scalar("SELECT status FROM acq.download_task WHERE id = %s", (task_id,)) == "importing"
+    lines = timeline(run_id)
+    corrupt = [(d, st) for what, d, st in lines if what == "download corrupt"]
+    assert len(corrupt) == 1 and "a.bin" in corrupt[0][0] and corrupt[0][1] == "error", lines
+    assert "imported" not in events_of(task_id)
+
+
+def test_a_download_changed_and_restored_during_its_copy_is_copied_again(
+    one_step_at_a_time: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file changes after `verify` (size and mtime kept) and is put back as it was while the
+    copy reads it (a tagger that restores, a read that returned other bytes once). The copy
+    refuses what it read, its pieces match again, so the next attempt copies anew and the
+    library records the verified bytes. Before: the first copy's bytes were recorded."""
+    downloads, lib = one_step_at_a_time
+    original = os.urandom(300_000)
+    t = make_torrent(downloads, "Show", {"a.bin": original})
+    task_id = downloaded_task(t, {"a.bin": original})
+    source = downloads / "Show" / "a.bin"
+    real_copy, restored = library.copy_file, []
+
+    def copy_then_restore(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real_copy(*args, **kwargs)
+        finally:
+            if not restored:  # the first copy has read the changed bytes: put them back
+                restored.append(True)
+                rot_in_place(source, at=150_000)  # flipping the same bytes again restores them
+
+    monkeypatch.setattr(library, "copy_file", copy_then_restore)
+    run_id = runs.enqueue("import", {"download_task_id": str(task_id)}, idempotency_key=new_key()).task_run_id
+    assert protocol.execute(first_step(run_id), starts_run=True, limited=False) == "succeeded"  # verify
+    rot_in_place(source, at=150_000)
+    assert run_next(run_id) == ["retry"]
+    assert source.read_bytes() == original
+    assert run_to_end(run_id) == "succeeded", last_error(run_id)
+
+    digest = hashlib.sha256(original).hexdigest()
+    assert sql("SELECT rel_path, sha256 FROM acq.library_item WHERE download_task_id = %s", (task_id,)) == [
+        ("Show/a.bin", digest)
+    ]
+    assert library_files(lib) == [lib / str(task_id) / "Show" / "a.bin"]
+    assert (lib / str(task_id) / "Show" / "a.bin").read_bytes() == original
+    events = events_of(task_id)
+    assert events.index("download changed during its copy") < events.index("imported"), events

@@ -3,6 +3,7 @@ no service at all."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,24 @@ def test_pieces_are_verified_against_the_payload(tmp_path: Path) -> None:
     (save / "album" / "cd1" / "a.flac").write_bytes(b"x" * 40000)  # same size, other bytes
     with pytest.raises(BadTorrent, match="piece hashes|does not match"):
         verify_pieces(data, save)
+
+
+def test_the_piece_check_gives_each_files_sha256_and_can_check_one_file(tmp_path: Path) -> None:
+    """The import notes each file's sha256 from the read that checked its pieces, the digest
+    its copy must reproduce; `only=` checks the pieces covering one file (its neighbours' bytes
+    in a piece it shares with them too), what a copy that read other bytes checks again."""
+    data, save = real_torrent(tmp_path)
+    album = save / "album"
+    want = {rel: hashlib.sha256((album / rel).read_bytes()).hexdigest() for rel in ("b.txt", "cd1/a.flac")}
+    assert verify_pieces(data, save) == want
+    assert verify_pieces(data, save, only="b.txt")["b.txt"] == want["b.txt"]
+
+    (album / "b.txt").write_bytes(b"c" * 10)  # b.txt and a.flac's start share the first piece
+    with pytest.raises(BadTorrent, match="piece hashes"):
+        verify_pieces(data, save, only="cd1/a.flac")
+    (album / "b.txt").write_bytes(b"c" * 9)
+    with pytest.raises(BadTorrent, match="does not match the torrent: .*b.txt: Unexpected file size"):
+        verify_pieces(data, save, only="b.txt")
 
 
 @pytest.mark.parametrize(
