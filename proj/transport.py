@@ -25,20 +25,85 @@ by the sweeper. `BROKER_TRANSPORT` overrides the choice (e.g. `redis` for kombu'
 Proof: `tests/faults/test_faults_redis_restart.py` (kombu's transport fails the close sequence, ours
 does not; a real worker survives repeated Redis restarts with unacknowledged messages in
 flight and every run finishes once).
+
+A Redis that refuses writes (`maxmemory` reached under `noeviction`: "OOM command not allowed",
+also for every command queued in a MULTI; or "MISCONF" when it cannot persist) still answers
+BRPOP, so a worker takes a queued message, and then kombu's `QoS.append` fails writing its
+restore record (ZADD + HSET). That error escaped the event loop as "Unrecoverable error:
+OutOfMemoryError" and the worker exited, with the popped message gone; a worker (re)started
+meanwhile exited too, on its restore scan's mutex or its queues' LLEN in a MULTI. `GuardedQoS`
+delivers the message without the record: the record only lets kombu put back a message whose
+worker died before acknowledging it, and ours acknowledge on receipt (`task_acks_late=False`)
+while Postgres re-sends lost steps anyway. `GuardedChannel` declares queues without writing what
+Redis holds already. Proof:
+`tests/faults/test_faults_redis_memory.py::test_redis_at_maxmemory_noeviction_loses_no_step`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 GUARDED = "proj.transport:GuardedTransport"
 
+log = logging.getLogger(__name__)
+
+# What a Redis that refuses writes answers: "OOM command not allowed when used memory >
+# 'maxmemory'" under `noeviction` (every write, and every command queued in a MULTI), "MISCONF"
+# when it cannot persist. Both are `ResponseError`s, which Celery's consumer loop does not catch.
+REFUSED = redis.exceptions.ResponseError
+
+
+class GuardedQoS(kombu_redis.QoS):
+    """kombu's Redis QoS, for a Redis that refuses writes: what it took is still delivered.
+
+    Its restore records (`unacked`, `unacked_index`, the restore mutex) are kombu's bookkeeping,
+    not the message: written, acknowledged away and scanned as Redis allows, skipped when it
+    refuses (`REFUSED`). A record left behind (its ack refused) is re-sent after the visibility
+    timeout, a duplicate hint the step's row turns away (invariant 1).
+    """
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        try:
+            super().append(message, delivery_tag)
+        except REFUSED as exc:
+            _refused("its restore record", delivery_tag, exc)
+            virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        try:
+            self._remove_from_indices(delivery_tag).execute()
+        except REFUSED as exc:
+            _refused("removing its restore record", delivery_tag, exc)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        try:
+            super().reject(delivery_tag, requeue=requeue)
+        except REFUSED as exc:  # a requeue refused: the sweeper re-sends the step
+            _refused("rejecting it", delivery_tag, exc)
+            virtual.QoS.ack(self, delivery_tag)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        try:
+            super().restore_visible(start=start, num=num, interval=interval)
+        except REFUSED as exc:  # its mutex refused: the next scan tries again
+            log.warning("broker refused the scan for unacknowledged messages: %s", exc)
+
+
+def _refused(what: str, delivery_tag: str, exc: BaseException) -> None:
+    log.warning("broker refused %s for message %s, carrying on without: %s", what, delivery_tag, exc)
+
 
 class GuardedChannel(kombu_redis.Channel):
-    """A kombu Redis channel that reports a closed transport as a lost connection."""
+    """A kombu Redis channel that reports a closed transport as a lost connection and delivers
+    what it took even when Redis refuses writes (`GuardedQoS`)."""
+
+    QoS = GuardedQoS
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         transport = self.connection
@@ -47,6 +112,36 @@ class GuardedChannel(kombu_redis.Channel):
                 "broker connection already closed (its channel is being closed after it)"
             )
         return super()._connparams(asynchronous=asynchronous)
+
+    def _size(self, queue: str) -> int:
+        """The queue's length, without MULTI: a Redis at `maxmemory` refuses every command queued
+        in a transaction, LLEN too, and this runs as a worker declares its queues at start."""
+        with self.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+            for pri in self.priority_steps:
+                pipe.llen(self._q_for_pri(queue, pri))
+            return sum(n for n in pipe.execute() if isinstance(n, int))
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
+        """Record the binding; when Redis refuses writes, carry on if the binding is recorded
+        already (every restart of a worker re-binds its queues) or not needed (a fanout, remote
+        control, is delivered by PUBLISH, not through this table). A new binding is reported as
+        the lost connection it amounts to: a worker reconnects until Redis takes writes, a
+        publish fails and its step is left to the sweeper."""
+        try:
+            super()._queue_bind(exchange, routing_key, pattern, queue)
+        except REFUSED as exc:
+            if self.typeof(exchange).type != "fanout" and not self._bound(
+                exchange, routing_key, pattern, queue
+            ):
+                raise redis.exceptions.ConnectionError(
+                    f"broker refuses writes, cannot bind {queue}: {exc}"
+                ) from exc
+            log.warning("broker refused re-binding queue %s to %s, bound already: %s", queue, exchange, exc)
+
+    def _bound(self, exchange: str, routing_key: str, pattern: str, queue: str) -> bool:
+        member = self.sep.join([routing_key or "", pattern or "", queue or ""])
+        with self.conn_or_acquire() as client:
+            return bool(client.sismember(self.keyprefix_queue % (exchange,), member))
 
 
 class GuardedTransport(kombu_redis.Transport):

@@ -1,0 +1,212 @@
+"""Redis at `maxmemory` (resource exhaustion, the broker's side).
+
+- `noeviction` (Redis' default policy): every write is refused with "OOM command not allowed
+  when used memory > 'maxmemory'", and so is every command queued in a MULTI. A publish
+  (enqueue, the next step after a commit, the sweeper's re-send, the outbox) is refused; BRPOP
+  still hands a worker what was queued before. Nothing may be lost and no worker may exit:
+  once memory is freed every run finishes, each step once.
+- `allkeys-lru` (an operator's misconfiguration, e.g. a Redis shared with a cache): queued
+  messages, whole queues, are evicted. Postgres still says which steps wait for a message, and
+  the sweeper re-sends them after `REPUBLISH_AFTER_S`.
+
+Redis here is a private `redis-server` on its own port; the memory is taken by "another tenant"
+(filler keys), as on a shared instance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import redis
+
+import outbox
+from proj import db
+from proj.engine import runs, sweeper
+from proj.engine.celery_engine import CeleryTaskEngine
+from tests.conftest import new_key
+from tests.support.private import PrivateRedis, private_redis, use_broker
+from tests.support.services import ProcessGroup, scalar, sql, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+# Every step its own message, re-sent quickly: each commit publishes, and a lost message is
+# noticed within the test's patience.
+ENV = {"INLINE_STEPS": "0", "REPUBLISH_AFTER_S": "2"}
+
+
+@pytest.fixture
+def rds(tmp_path: Path) -> Iterator[PrivateRedis]:
+    with private_redis(tmp_path) as server, use_broker(server.url):
+        yield server
+
+
+def client(server: PrivateRedis) -> redis.Redis:
+    return redis.Redis(port=server.port, socket_timeout=5)
+
+
+def fill_until_refused(r: redis.Redis, headroom: int = 1 << 20) -> None:
+    """`noeviction`, a cap `headroom` bytes above what Redis uses now, and another tenant's keys
+    until Redis refuses one: the broker is full. Then the cap goes `headroom` below what it holds
+    (the tenant grew on): at the edge, a freed query buffer or a drained message would let the
+    odd write in, and this test wants every write refused until memory is freed."""
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", r.info("memory")["used_memory"] + headroom)
+    for i in range(10_000):
+        try:
+            r.set(f"tenant:{i}", b"x" * 65536)
+        except redis.exceptions.OutOfMemoryError:
+            r.config_set("maxmemory", r.info("memory")["used_memory"] - headroom)
+            return
+    raise AssertionError("Redis never refused a write at its maxmemory")
+
+
+def flood_with_lru(r: redis.Redis, headroom: int = 2 << 20) -> int:
+    """`allkeys-lru` with a small cap, then ten times the cap of another tenant's keys: Redis
+    evicts whatever was idle longest, queued messages too. Returns the keys evicted."""
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    r.config_set("maxmemory", r.info("memory")["used_memory"] + headroom)
+    value = b"x" * 1024
+    for start in range(0, 10 * headroom // len(value), 1000):
+        with r.pipeline(transaction=False) as pipe:
+            for i in range(start, start + 1000):
+                pipe.set(f"cache:{i}", value)
+            pipe.execute()
+    return int(r.info("stats")["evicted_keys"])
+
+
+def db_now() -> datetime:
+    return scalar("SELECT now()")
+
+
+def succeeded(ids: list) -> int:
+    return scalar("SELECT count(*) FROM engine.task_run WHERE id = ANY(%s) AND status = 'succeeded'", (ids,))
+
+
+def unpublished(ids: list) -> int:
+    """Pending steps of these runs the engine knows it could not send (the next sweep sends them)."""
+    return scalar(
+        "SELECT count(*) FROM engine.step WHERE run_id = ANY(%s) AND status = 'pending'"
+        " AND published_at IS NULL",
+        (ids,),
+    )
+
+
+def assert_each_step_once(ids: list, steps: int = 5) -> None:
+    """Every run succeeded with each step committed once, and no completed body ran again (a
+    re-run would add a second finished execution row)."""
+    assert succeeded(ids) == len(ids)
+    per_step = sql(
+        "SELECT s.name, count(*) FROM engine.step s WHERE s.run_id = ANY(%s) AND s.status = 'succeeded'"
+        " GROUP BY 1 ORDER BY 1",
+        (ids,),
+    )
+    assert per_step == [(f"s{i}", len(ids)) for i in range(1, steps + 1)]
+    rerun = sql(
+        "SELECT run_id, step FROM testkit.execution WHERE ended_at IS NOT NULL"
+        " GROUP BY 1, 2 HAVING count(*) > 1"
+    )
+    assert rerun == []
+    assert scalar("SELECT count(*) FROM engine.task_run WHERE status <> 'succeeded'") == 0
+
+
+def enqueue_through_the_outbox() -> object:
+    """A business transaction's outbox event, dispatched here (beat's messages are refused too)."""
+    key = new_key()
+    with db.sessions().begin() as s:
+        outbox.add(s, "probe", key, {"n": 99})
+    report = outbox.dispatch(db.sessions(), CeleryTaskEngine())
+    assert report.dispatched == 1, report
+    return scalar("SELECT id FROM engine.task_run WHERE idempotency_key = %s", (key,))
+
+
+def test_redis_at_maxmemory_noeviction_loses_no_step(procs: ProcessGroup, rds: PrivateRedis) -> None:
+    """Before: the first message a worker took from a full Redis ended it ("Unrecoverable
+    error: OutOfMemoryError": kombu's restore record for the message, ZADD + HSET, was refused),
+    and a worker (re)started meanwhile ended as it declared its queues (LLEN inside MULTI).
+    With no consumer left, nothing finished after the memory was freed. Now the worker runs
+    what it takes, every refused publish is left to the sweeper (`published_at` NULL), a
+    worker starts on a full Redis, and all runs finish, each step once."""
+    env = {"BROKER_URL": rds.url, **ENV}
+    procs.worker("w", concurrency=2, env=env)
+    procs.beat(env=env)
+    r = client(rds)
+    # A backlog: two slow first steps hold both slots, the others' messages wait in Redis.
+    slow = {"slow_step": "s1", "slow_s": 2.0}
+    refs = [
+        runs.enqueue("probe", {"n": i, **(slow if i < 2 else {})}, idempotency_key=new_key())
+        for i in range(6)
+    ]
+    wait_for(lambda: scalar("SELECT count(*) FROM testkit.execution") >= 2, 30, what="two slow steps running")
+
+    fill_until_refused(r)
+    full_since = db_now()
+    ids = [ref.task_run_id for ref in refs]
+    late = [runs.enqueue("probe", {"n": 10 + i}, idempotency_key=new_key()).task_run_id for i in range(3)]
+    assert unpublished(late) == 3  # enqueue committed the runs; their messages were refused
+    late.append(enqueue_through_the_outbox())
+    assert unpublished(late) == 4
+    report = sweeper.sweep()  # the sweeper's own re-send is refused too, and remembered
+    assert report.published >= 4 and unpublished(late) == 4, report
+    procs.worker("w2", concurrency=1, env=env)  # a worker (re)started on a full Redis comes up
+    wait_for(
+        lambda: scalar("SELECT count(*) FROM testkit.execution WHERE started_at > %s", (full_since,)) >= 2,
+        30,
+        what="the worker to run steps it took from the full Redis",
+    )
+    time.sleep(2.0)  # commits meanwhile: their next steps' messages are refused
+    assert r.info("errorstats").get("errorstat_OOM", {}).get("count", 0) > 0
+    assert procs.procs["w"].poll() is None, f"the worker exited:\n{procs.log('w')[-3000:]}"
+    assert unpublished(ids) > 0  # next steps the workers could not send
+
+    r.config_set("maxmemory", 0)  # the operator gives Redis memory
+    everything = ids + late
+    wait_for(
+        lambda: succeeded(everything) == len(everything),
+        60,
+        what="every run to finish once Redis takes writes",
+    )
+    assert_each_step_once(everything)
+    assert scalar("SELECT count(*) FROM outbox.outbox_event WHERE status <> 'dispatched'") == 0
+    assert all(p.poll() is None for p in procs.procs.values()), "a worker or beat exited"
+
+
+def test_redis_allkeys_lru_evicting_queued_messages_is_recovered_by_the_sweeper(
+    procs: ProcessGroup, rds: PrivateRedis
+) -> None:
+    """Queued messages evicted, whole queues and kombu's bindings with them: Postgres still
+    lists the steps as pending and published, and the sweeper sends each again after
+    `REPUBLISH_AFTER_S`; every run finishes, each step once, the worker alive."""
+    env = {"BROKER_URL": rds.url, **ENV}
+    procs.worker("w", concurrency=1, env=env)
+    procs.beat(env=env)
+    r = client(rds)
+    slow = {"slow_step": "s1", "slow_s": 2.0}
+    refs = [
+        runs.enqueue("probe", {"n": i, **(slow if i == 0 else {})}, idempotency_key=new_key())
+        for i in range(6)
+    ]
+    ids = [ref.task_run_id for ref in refs]
+    wait_for(lambda: scalar("SELECT count(*) FROM testkit.execution") >= 1, 30, what="the slow step running")
+    waiting = sql(
+        "SELECT id FROM engine.step WHERE run_id = ANY(%s) AND status = 'pending'"
+        " AND published_at IS NOT NULL",
+        (ids,),
+    )
+    assert len(waiting) == 5 and r.llen("probe.v1") == 5  # their messages queued behind the slow step
+
+    evicted = flood_with_lru(r)
+    evicted_at = db_now()
+    assert evicted > 0 and r.llen("probe.v1") == 0, "the queued messages were not evicted"
+    wait_for(lambda: succeeded(ids) == len(ids), 60, what="every run to finish after the eviction")
+    # Sent again after the eviction: the sweeper's re-send, not a message that survived.
+    resent = scalar(
+        "SELECT count(*) FROM engine.step WHERE id = ANY(%s) AND published_at > %s",
+        ([w[0] for w in waiting], evicted_at),
+    )
+    assert resent == len(waiting)
+    assert_each_step_once(ids)
+    assert procs.procs["w"].poll() is None and procs.procs["beat"].poll() is None
