@@ -218,13 +218,17 @@ def _child_exit(**_: object) -> None:
 
 @signals.worker_init.connect
 def _preflight(**_: object) -> None:
-    """Refuse to start on a stale schema, an impossible connection budget or an unsafe pooler."""
-    from proj.engine.preflight import check_connection_budget, check_pooling, check_schema
+    """Refuse to start on a stale schema, an impossible connection budget or an unsafe pooler;
+    wait, not refuse, while Postgres has no connection for us yet (`preflight.when_admitted`)."""
+    from proj.engine.preflight import check_connection_budget, check_pooling, check_schema, when_admitted
 
-    try:
+    def checks() -> None:
         check_schema()
         check_connection_budget()
         check_pooling()
+
+    try:
+        when_admitted(checks)  # waits while Postgres is full or starting up
     except Exception as exc:
         log.critical("worker refuses to start: %s", exc)
         raise SystemExit(f"worker refuses to start: {exc}") from exc

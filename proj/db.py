@@ -176,6 +176,32 @@ def autocommit() -> Iterator[Autocommit]:
         fairy.close()
 
 
+# What Postgres answers a connection it cannot take *now*, though it is up and the settings are
+# right: full at `max_connections` ("sorry, too many clients already", or only reserved slots
+# left: SQLSTATE 53300), or not accepting yet (starting up, recovering: 57P03). libpq reports a
+# refused connection as text, with no SQLSTATE, so the message is what tells.
+TURNED_AWAY = (
+    "too many clients",
+    "connection slots are reserved",
+    "the database system is starting up",
+    "the database system is not yet accepting connections",
+    "the database system is in recovery mode",
+)
+
+
+def turned_away(exc: BaseException) -> bool:
+    """Whether `exc` (SQLAlchemy's, or psycopg's it wraps) is Postgres turning a connection away
+    for now (`TURNED_AWAY`): worth waiting for, unlike a wrong URL, password or schema."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "sqlstate", None) in ("53300", "57P03"):
+            return True
+        if isinstance(seen, psycopg.OperationalError) and any(m in str(seen) for m in TURNED_AWAY):
+            return True
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return False
+
+
 def reset_after_fork() -> None:
     """Drop inherited pooled connections in a forked child (they belong to the parent)."""
     if _engine is not None:

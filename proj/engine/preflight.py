@@ -7,8 +7,12 @@ Workers never migrate; they refuse to start with a message that says what to run
 from __future__ import annotations
 
 import importlib.util
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 from alembic.config import Config
@@ -18,6 +22,10 @@ from sqlalchemy import text
 from proj import db
 from proj.engine.errors import ConnectionBudgetExceeded, PoolerUnsafe, SchemaBehind
 from proj.settings import Settings, get_settings, libpq_url
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _migrations_dir() -> Path:
@@ -128,6 +136,28 @@ def check_connection_budget(settings: Settings | None = None) -> Budget:
             f"{budget.max_connections}: lower the pools or concurrency, or raise max_connections"
         )
     return budget
+
+
+def when_admitted(checks: Callable[[], T], *, first_pause_s: float = 0.5, max_pause_s: float = 5.0) -> T:
+    """Run the start-up `checks`, waiting as long as Postgres turns the connection away for now
+    (`db.turned_away`: full at `max_connections`, or starting up), instead of refusing to start.
+
+    Why: a worker that exited on "too many clients" stayed down once the other clients left (or,
+    under a supervisor, came back in a loop that only added connection attempts); Postgres
+    answered, so nothing in the configuration is wrong. Any other error still refuses at once.
+    Proof: `tests/faults/test_faults_pg_connections.py`.
+    """
+    pause = first_pause_s
+    while True:
+        try:
+            return checks()
+        except Exception as exc:
+            if not db.turned_away(exc):
+                raise
+            log.warning("Postgres turns this worker away for now, trying again in %.1fs: %s", pause, exc)
+        db.dispose()  # no half-opened pool kept across the wait
+        time.sleep(pause)
+        pause = min(pause * 2, max_pause_s)
 
 
 def migrate_to_head() -> str:
