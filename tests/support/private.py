@@ -301,12 +301,15 @@ def use_database(url: str, **env: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def private_postgres(**kwargs: Any) -> Iterator[PrivatePostgres]:
-    """A migrated private cluster (schema at head, the test kinds' tables), this process on it."""
+def private_postgres(root: Path | None = None, **kwargs: Any) -> Iterator[PrivatePostgres]:
+    """A migrated private cluster (schema at head, the test kinds' tables), this process on it.
+
+    `root`: an empty directory for it (e.g. a small tmpfs the test mounted); a fresh one under
+    /tmp by default. Removed at the end either way."""
     from proj.cli import migrate_to_head
     from tests.support.services import create_testkit
 
-    server = PrivatePostgres(new_pg_root(), **kwargs)
+    server = PrivatePostgres(root or new_pg_root(), **kwargs)
     server.init()
     server.start()
     try:
