@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lease", type=float, default=15.0, help="LEASE_TTL_S")
     p.add_argument("--sweep", type=float, default=1.0, help="SWEEP_INTERVAL_S (beat period)")
     p.add_argument("--reap", type=float, default=0.25, help="REAP_INTERVAL_S (0: leases only)")
+    p.add_argument("--grace", type=float, default=0.4, help="REAP_GRACE_S (a free liveness key's wait)")
     add_service_args(p, db="proj_bench_recovery", broker="redis://127.0.0.1:6379/4")
     return p.parse_args(argv)
 
@@ -75,7 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def configure_env(args: argparse.Namespace) -> dict[str, str]:
     return set_env(
         service_env(
-            args, concurrency=1, sweep_s=args.sweep, LEASE_TTL_S=args.lease, REAP_INTERVAL_S=args.reap
+            args,
+            concurrency=1,
+            sweep_s=args.sweep,
+            LEASE_TTL_S=args.lease,
+            REAP_INTERVAL_S=args.reap,
+            REAP_GRACE_S=args.grace,
         )
     )
 
@@ -260,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             "lease_ttl_s": args.lease,
             "sweep_interval_s": args.sweep,
             "reap_interval_s": args.reap,
+            "reap_grace_s": args.grace,
             "heartbeat_every_s": args.lease / 3,
             "workers": "2 x celery worker -P prefork -c 1 -O fair, 1 beat",
             "db": args.db,
@@ -291,7 +298,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(
         f"worker stop → step running elsewhere, {cfg['rounds']} rounds {cfg['faults']}; "
         f"LEASE_TTL_S={cfg['lease_ttl_s']:g} (heartbeat every {cfg['heartbeat_every_s']:.2f}s), "
-        f"SWEEP_INTERVAL_S={cfg['sweep_interval_s']:g}, REAP_INTERVAL_S={cfg['reap_interval_s']:g}; "
+        f"SWEEP_INTERVAL_S={cfg['sweep_interval_s']:g}, REAP_INTERVAL_S={cfg['reap_interval_s']:g}, "
+        f"REAP_GRACE_S={cfg.get('reap_grace_s', 0):g}; "
         f"{cfg['workers']}"
     )
     print(machine_line(report["machine"]))
