@@ -40,8 +40,22 @@ class RetryPolicy:
     outage_s: float = 0.0
 
     def backoff(self, attempt: int) -> float:
-        """Delay before attempt `attempt + 1`, after `attempt` failures (1-based)."""
-        base = min(self.max_s, self.initial_s * self.multiplier ** max(0, attempt - 1))
+        """Delay before attempt `attempt + 1`, after `attempt` failures (1-based).
+
+        `attempt` counts an outage's unspent attempts too, a thousand and more in a day: the
+        growth stops at the cap instead of overflowing a float (`2.0 ** 1024`), which left such
+        a failure unrecorded
+        (`tests/unit/test_retry_and_kinds.py::test_backoff_stays_at_its_cap_however_many_outage_attempts_came_before`)."""
+        growth = max(0, attempt - 1)
+        if self.multiplier <= 1.0:  # never grows: cannot overflow
+            base = self.initial_s * self.multiplier**growth
+        else:
+            base = self.initial_s
+            for _ in range(growth):  # a few dozen turns at most: it stops at the cap
+                if base >= self.max_s or base <= 0:
+                    break
+                base *= self.multiplier
+        base = min(self.max_s, base)
         spread = base * self.jitter
         return max(0.0, min(self.max_s, base + random.uniform(-spread, spread)))
 

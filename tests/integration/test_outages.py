@@ -69,6 +69,19 @@ def test_attempts_that_meet_an_outage_are_not_spent(published) -> None:
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (run,)) == "succeeded"
 
 
+def test_an_outage_of_more_than_a_thousand_attempts_is_still_waited_out(published) -> None:
+    """A day of `import`'s library outage at its 60 s backoff cap is some 1,440 attempts. From
+    the 1,025th, the backoff (`2.0 ** attempt`) overflowed and the failure was never recorded:
+    each attempt ended by its lease's expiry instead, which spends it, so the run became a dead
+    letter inside its outage window."""
+    _, step = enqueue("U.")
+    sql("UPDATE engine.step SET attempts = 1100, outages = 1100 WHERE id = %s", (step,))
+
+    assert protocol.execute(step, starts_run=True) == "unavailable"
+    assert step_row(step)[:3] == ("pending", 1101, 1101)
+    assert again(step) == "succeeded"
+
+
 def test_an_outage_older_than_its_window_spends_attempts_again(published) -> None:
     """Past `outage_s`, each attempt of the same outage counts: a service that never comes back
     still ends in a dead letter, with the policy's attempts spent. The counted attempts do not

@@ -36,6 +36,16 @@ def test_backoff_grows_exponentially_within_its_jitter_and_stops_at_the_cap() ->
     assert min(policy.backoff(20) for _ in range(200)) >= 45.0  # capped, not wrapped round
 
 
+def test_backoff_stays_at_its_cap_however_many_outage_attempts_came_before() -> None:
+    """An outage's attempts are not spent but are counted in `attempt` (a day of `import`'s
+    library outage at its 60 s cap is some 1,440): `2.0 ** 1024` overflowed a float, so from the
+    1,025th attempt the failure could not be recorded (`OverflowError` in `commit_failure`)."""
+    from proj.kinds.importing import IMPORT_RETRY
+
+    for attempt in (1025, 1441, 10**6):
+        assert 45.0 <= IMPORT_RETRY.backoff(attempt) <= 60.0
+
+
 def test_a_kind_version_declared_twice_with_other_steps_is_refused() -> None:
     name = "unit_twice"
     register(Kind(name=name, version=1, retry=RetryPolicy.db(), input_model=In, canvas=(step("a", _noop),)))
