@@ -88,10 +88,12 @@ class Suspects:
         return sorted(key for key, since in self._since.items() if now - since >= grace)
 
     def due_in(self, now: float, grace: float) -> float | None:
-        """Seconds until the earliest suspect's grace ends (None: no suspect)."""
-        if not self._since:
-            return None
-        return max(0.0, min(self._since.values()) + grace - now)
+        """Seconds until the earliest grace still running ends (None: none is). A suspect past
+        its grace was handed to the reaper already; should its leases' end fail, the next try
+        is at the reap interval, not a 5 ms spin while Postgres refuses
+        (`tests/unit/test_suspects.py::test_a_suspect_past_its_grace_does_not_hurry_the_next_tick`)."""
+        running = [since + grace - now for since in self._since.values() if since + grace > now]
+        return min(running) if running else None
 
 
 class Liveness:
