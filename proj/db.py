@@ -178,12 +178,14 @@ def autocommit() -> Iterator[Autocommit]:
 
 # What Postgres answers a connection it cannot take *now*, though it is up and the settings are
 # right: full at `max_connections` ("sorry, too many clients already", or only reserved slots
-# left: SQLSTATE 53300), or not accepting yet (starting up, recovering: 57P03). libpq reports a
-# refused connection as text, with no SQLSTATE, so the message is what tells.
+# left: SQLSTATE 53300), or not accepting yet (starting up, recovering, or still shutting down
+# for a restart: 57P03). libpq reports a refused connection as text, with no SQLSTATE, so the
+# message is what tells (`tests/unit/test_turned_away.py`).
 TURNED_AWAY = (
     "too many clients",
     "connection slots are reserved",
     "the database system is starting up",
+    "the database system is shutting down",
     "the database system is not yet accepting connections",
     "the database system is in recovery mode",
 )

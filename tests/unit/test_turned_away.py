@@ -21,6 +21,8 @@ FULL_16 = "FATAL:  remaining connection slots are reserved for roles with the SU
         FULL_16,
         "FATAL:  sorry, too many clients already",
         "FATAL:  the database system is starting up",
+        # a `pg_ctl restart` still shutting down (57P03 too): the worker exited and stayed down
+        "FATAL:  the database system is shutting down",
     ],
 )
 def test_full_or_starting_postgres_is_waited_for(message: str) -> None:
