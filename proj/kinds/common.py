@@ -216,7 +216,7 @@ def while_qbittorrent_down(body: Callable[[StepContext], R]) -> Callable[[StepCo
 
     Why: its ten attempts (about 8 min) ended in a dead letter when qBittorrent was down longer,
     a NAS rebooting for an update or a container re-pulled over a slow link
-    (`tests/integration/test_outages.py::test_a_request_approved_while_qbittorrent_is_down_is_added_once_it_is_back`).
+    (`tests/integration/test_qbt_review.py::test_a_request_approved_while_qbittorrent_is_down_is_added_once_it_is_back`).
     """
 
     @functools.wraps(body)

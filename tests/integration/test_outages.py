@@ -8,8 +8,9 @@ the run says why it is not moving. Past the window they count again, so a servic
 comes back still ends in a dead letter.
 
 The engine tests drive `protocol.execute` by hand (the `published` fixture records the messages
-instead of sending them), so every attempt's outcome is seen; the last test runs a real worker
-against a real qBittorrent that is down, then back.
+instead of sending them), so every attempt's outcome is seen. A real worker against a real
+qBittorrent that is down, then back, is
+`tests/integration/test_qbt_review.py::test_a_request_approved_while_qbittorrent_is_down_is_added_once_it_is_back`.
 """
 
 from __future__ import annotations
