@@ -300,22 +300,40 @@ def remove_if_same_file(path: Path, dev: int, ino: int) -> bool:
 
     Why: a relocate given up (its compensation) or refused at its switch must remove the copy it
     made and nothing else, while a later relocate to the same root may put its own file at the
-    same path at any moment (`copy_file`'s rename). The file is first renamed aside (a temp name
-    of its own, atomic), so the inode checked is the inode removed; a file that is not ours goes
+    same path at any moment (`copy_file`'s rename). The file is first renamed aside (a name of
+    its own, atomic), so the inode checked is the inode removed; a file that is not ours goes
     back unless a newer one took its place meanwhile
     (`tests/integration/test_library_leftovers.py::test_giving_up_a_relocate_removes_only_the_file_it_copied`).
+    The aside name is not a temp file's (`temp_files` never takes it) and is the same for every
+    call about this copy, so a call that died with a library file set aside is settled by the next
+    one, which puts it back (`tests/unit/test_library_aside.py`).
     """
-    aside = temp_path(path, os.urandom(TOKEN_CHARS // 2).hex())
+    aside = aside_path(path, dev, ino)
+    removed = _settle_aside(aside, path, dev, ino)  # an earlier call that died midway
     try:
         os.rename(path, aside)
     except FileNotFoundError:
+        return removed
+    return _settle_aside(aside, path, dev, ino) or removed
+
+
+def aside_path(path: Path, dev: int, ino: int) -> Path:
+    """Where `remove_if_same_file` sets `path` aside while it checks it is the copy (`dev`, `ino`)."""
+    token = hashlib.sha256(f"{dev}:{ino}".encode()).hexdigest()[:TOKEN_CHARS]
+    return path.with_name(f"{_temp_stem(path.name)}.keep-{token}")
+
+
+def _settle_aside(aside: Path, path: Path, dev: int, ino: int) -> bool:
+    """The file set aside at `aside`: removed if it is the copy (`dev`, `ino`), else put back at
+    `path` unless a newer file took it meanwhile (then it is stale); whether it was removed as ours."""
+    try:
+        st = aside.stat()
+    except FileNotFoundError:
         return False
-    st = aside.stat()
-    if (st.st_dev, st.st_ino) == (dev, ino):
-        aside.unlink()
-        _fsync_dir(path.parent)
-        return True
-    with contextlib.suppress(FileExistsError):  # a newer file took the path: this one is stale
-        os.link(aside, path)
+    ours = (st.st_dev, st.st_ino) == (dev, ino)
+    if not ours:
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, path)
     aside.unlink()
-    return False
+    _fsync_dir(path.parent)
+    return ours
