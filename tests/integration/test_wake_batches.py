@@ -16,6 +16,7 @@ import redis
 
 from proj.engine import runs
 from proj.engine.dispatch import wake_batch_size
+from proj.engine.heartbeat import Heartbeat
 from proj.settings import get_settings
 from tests.conftest import BROKER, new_key
 from tests.support.plans import generic_plan
@@ -241,6 +242,10 @@ def test_a_chunks_held_checks_commit_in_one_statement(
         return value
 
     monkeypatch.setattr(protocol, "_check", check_then_cancel_one)
+    # The heartbeat would tell the canceled step's body of the cancel if it ticked between the
+    # cancel and the commit (a loaded machine), and the ladder would then close it without
+    # trying the commit this test shows refused: no tick during the chunk.
+    monkeypatch.setattr(Heartbeat, "renew", lambda self, leases: None)
     seen = _recorded_statements(monkeypatch)
     # As the worker calls it: `approval`, a first step, is `gated`'s start step (`starts_run`).
     # The batched message names woken steps only, so it is claimed in one statement all the same.
