@@ -309,12 +309,12 @@ def remove_if_same_file(path: Path, dev: int, ino: int) -> bool:
     one, which puts it back (`tests/unit/test_library_aside.py`).
     """
     aside = aside_path(path, dev, ino)
-    removed = _settle_aside(aside, path, dev, ino)  # an earlier call that died midway
+    removed = settle_aside(path, dev, ino)  # an earlier call that died midway
     try:
         os.rename(path, aside)
     except FileNotFoundError:
         return removed
-    return _settle_aside(aside, path, dev, ino) or removed
+    return settle_aside(path, dev, ino) or removed
 
 
 def aside_path(path: Path, dev: int, ino: int) -> Path:
@@ -323,9 +323,15 @@ def aside_path(path: Path, dev: int, ino: int) -> Path:
     return path.with_name(f"{_temp_stem(path.name)}.keep-{token}")
 
 
-def _settle_aside(aside: Path, path: Path, dev: int, ino: int) -> bool:
-    """The file set aside at `aside`: removed if it is the copy (`dev`, `ino`), else put back at
-    `path` unless a newer file took it meanwhile (then it is stale); whether it was removed as ours."""
+def settle_aside(path: Path, dev: int, ino: int) -> bool:
+    """The file a `remove_if_same_file(path, dev, ino)` that died midway left set aside: removed if
+    it is the copy (`dev`, `ino`), else put back at `path` unless a newer file took it meanwhile
+    (then it is stale); whether it was removed as ours. Nothing set aside: False.
+
+    A caller that looks at `path` before removing must settle first: a library file set aside
+    is missing from `path` until then (`tests/integration/test_library_leftovers.py::
+    test_giving_up_a_relocate_again_puts_back_a_library_file_a_killed_give_up_set_aside`)."""
+    aside = aside_path(path, dev, ino)
     try:
         st = aside.stat()
     except FileNotFoundError:

@@ -153,6 +153,47 @@ def test_giving_up_a_relocate_removes_only_the_file_it_copied(tmp_path: Path) ->
     assert relocate_kind.give_up(uuid.uuid4(), inp) == {"skipped": True, "reason": "nothing was copied"}
 
 
+def test_giving_up_a_relocate_again_puts_back_a_library_file_a_killed_give_up_set_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`give_up` sets the file at the copy's path aside to check it is the copy; killed before it
+    put back a file that is not (a later relocate's, since switched to), the next `give_up` must
+    put it back. Before: it saw nothing at the path, answered "absent" and left the library file
+    under its aside name for good, the row pointing at nothing."""
+    a, b = tmp_path / "lib-a", tmp_path / "lib-b"
+    item_id, task_id, _ = library_item(a, size=4096)
+    target = b / str(task_id) / REL
+    target.parent.mkdir(parents=True)
+    ours = uuid.uuid4()
+    gone = target.with_name("ours-since-replaced")  # the inode our copy had, kept so it is not reused
+    gone.write_bytes(b"our copy")
+    mine = library.file_id(gone)
+    sql(
+        """
+        INSERT INTO ledger.asset_operation
+               (op_key, run_id, step, effect_kind, plan, status, attempts, attempt_token,
+                attempt_started_at, result, resolution, finished_at)
+        VALUES (%s, %s, 'copy', 'file', %s, 'done', 1, %s, now(), %s, 'effect', now())
+        """,
+        (
+            f"relocate:{item_id}:{ours}",
+            ours,
+            Jsonb({"src": str(a / str(task_id) / REL), "dst": str(target)}),
+            uuid.uuid4(),
+            Jsonb({"path": str(target), **mine}),
+        ),
+    )
+    target.write_bytes(b"a later relocate's copy, the row's file")
+    sql("UPDATE acq.library_item SET root = %s WHERE id = %s", (str(b), item_id))
+    inp = {"library_item_id": item_id, "new_root": str(b)}
+    # The window a kill -9 leaves: the row's file under the aside name of our copy.
+    target.rename(library.aside_path(target, mine["dev"], mine["ino"]))
+
+    assert relocate_kind.give_up(ours, inp)["copy"] == "kept"
+    assert target.read_bytes() == b"a later relocate's copy, the row's file"
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, gone.name])
+
+
 # --------------------------------------------------------- a relocate meeting a repair of its item
 
 
