@@ -356,6 +356,36 @@ def test_verify_library_finds_a_truncated_or_missing_file_in_the_next_run(procs,
     ]
 
 
+def test_verify_library_takes_a_file_it_cannot_read_for_corrupt_and_checks_the_others(
+    one_step_at_a_time: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing disk answers a read with EIO: that file is what `verify_library` is for. Before:
+    the OSError failed the step, every retry and every later run stopped at the same file (the
+    least recently verified, so first again), so nothing was flagged and no other file was ever
+    verified again. Now an unreadable file is corrupt (flagged, re-imported) and the run goes on."""
+    _, lib = one_step_at_a_time
+    items = [library_item(lib, size=64 * 1024) for _ in range(3)]
+    unreadable = lib / str(items[0][1]) / REL
+    real_sha256 = library.sha256_file
+
+    def eio_for_one(path: Path, *args: Any, **kwargs: Any) -> str:
+        if Path(path) == unreadable:
+            raise OSError(5, "Input/output error", str(path))
+        return real_sha256(path, *args, **kwargs)
+
+    monkeypatch.setattr(library, "sha256_file", eio_for_one)
+    run_id = enqueue_periodic("verify_library", 51)
+    assert run_to_end(run_id) == "succeeded", last_error(run_id)
+    result = scalar("SELECT result FROM engine.task_run WHERE id = %s", (run_id,))
+    assert result == {"checked": 3, "hashed": 3, "hashed_bytes": 3 * 64 * 1024, "corrupt": 1}, result
+    assert dict(sql("SELECT id, status FROM acq.library_item")) == {
+        i: ("corrupt" if i == items[0][0] else "ok") for i, _, _ in items
+    }
+    verified = {i for (i,) in sql("SELECT id FROM acq.library_item WHERE verified_at IS NOT NULL")}
+    assert verified == {items[1][0], items[2][0]}
+    assert sql("SELECT kind, subject FROM acq.flag") == [("corrupt_file", str(items[0][0]))]
+
+
 # ------------------------------------------ a download rotting between the piece check and the copy
 
 
