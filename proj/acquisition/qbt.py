@@ -11,6 +11,7 @@ from typing import Any
 
 import qbittorrentapi
 from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from proj import db
 from proj.engine.errors import NonRetryable, Unavailable
@@ -51,6 +52,12 @@ class LoginRefused(NonRetryable):
 # `qbt_login_refused` whose subject is a digest of (URL, username, password), never the password.
 # `RECENT_REFUSAL` finds it while it is younger than `:window` seconds; `RECORD_REFUSAL` writes
 # it (again); `FORGET_REFUSALS` drops every one of the URL once a login there succeeded.
+# Held from the memo's check to the refusal's record: clients logging in together (a worker
+# restart picking up several requests and the reconcile at once) each found no refusal and each
+# tried, up to qBittorrent's ban threshold; now they take turns per URL and the later ones find
+# the first one's refusal (`tests/integration/test_qbt_review.py::
+# test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_login`).
+LOCK_LOGIN = text("SELECT pg_advisory_xact_lock(hashtextextended('qbt-login:' || :url, 0))")
 RECENT_REFUSAL = text(
     """
     SELECT at, detail->>'message' AS message FROM acq.flag
@@ -92,6 +99,8 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
     five requests approved together got the host banned. Within that window no process tries
     the same credentials again; changed ones are tried at once (`tests/integration/
     test_qbt_review.py::test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker`).
+    Logins to one URL take turns (`LOCK_LOGIN`), so clients starting together make one failed
+    login, not one each.
     """
 
     def auth_log_in(self, username: str | None = None, password: str | None = None, **kwargs: Any) -> None:
@@ -100,22 +109,29 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
         subject = credentials_digest(self.host, self.username, self._password)
         window = get_settings().qbt_login_retry_s
         with db.transaction() as s:
+            s.execute(LOCK_LOGIN, {"url": self.host})
             refused = s.execute(RECENT_REFUSAL, {"subject": subject, "window": window}).first()
+            failed = None if refused is not None else self._log_in_recorded(s, subject, kwargs)
         if refused is not None:
             raise LoginRefused(
                 f"{refused.message} Not tried again before {window:.0f}s after {refused.at.isoformat()}, so "
                 "that qBittorrent does not ban this host; changed credentials are tried at once"
             )
+        if failed is not None:
+            raise LoginRefused(login_refusal(self.host, self.username, failed)) from failed
+
+    def _log_in_recorded(self, s: Session, subject: str, kwargs: dict[str, Any]) -> BaseException | None:
+        """Log in, recording a refusal or forgetting the URL's refusals in `s` (the login lock's
+        transaction, committed even when the login was refused); the refusal, or None."""
         try:
             super().auth_log_in(**kwargs)
         except (qbittorrentapi.LoginFailed, qbittorrentapi.HTTP403Error) as exc:
             message = login_refusal(self.host, self.username, exc)
             detail = json.dumps({"url": self.host, "username": self.username, "message": message})
-            with db.transaction() as s:
-                s.execute(RECORD_REFUSAL, {"subject": subject, "detail": detail})
-            raise LoginRefused(message) from exc
-        with db.transaction() as s:
-            s.execute(FORGET_REFUSALS, {"url": self.host})
+            s.execute(RECORD_REFUSAL, {"subject": subject, "detail": detail})
+            return exc
+        s.execute(FORGET_REFUSALS, {"url": self.host})
+        return None
 
 
 def login_refusal(url: str, username: str, exc: BaseException) -> str:

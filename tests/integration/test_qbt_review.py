@@ -347,6 +347,52 @@ def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
         get_settings.cache_clear()
 
 
+def test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_login(
+    qbt_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memo only helps clients that look after the refusal was recorded: clients logging in
+    together (the reconcile and several approved requests picked up in the same second, as after
+    a worker restart) each found no refusal and each tried, up to qBittorrent's ban threshold.
+    Before: four clients started together made four failed logins. Now the check, the login and
+    the record are one step under a Postgres advisory lock of the URL: one failed login."""
+    from proj.acquisition import qbt
+    from proj.settings import get_settings
+    from tests.support.proxy import CutProxy
+
+    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
+    managed = qbt_factory(
+        "memo2", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
+    )
+    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
+    monkeypatch.setenv("QBT_URL", logins.url)
+    monkeypatch.setenv("QBT_USERNAME", "admin")
+    monkeypatch.setenv("QBT_PASSWORD", "wrong-secret")
+    get_settings.cache_clear()
+    get_settings()  # settled before the threads: each would otherwise read the environment itself
+    try:
+        errors: list[BaseException] = []
+        together = threading.Barrier(4)
+
+        def connect() -> None:  # a fresh thread: a client of its own, as in another worker
+            together.wait()
+            try:
+                qbt.client().app_version()
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertions
+                errors.append(exc)
+
+        threads = [threading.Thread(target=connect) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(errors) == 4 and all(isinstance(e, qbt.LoginRefused) for e in errors), errors
+        assert logins.requests_seen == 1, errors
+        assert sum("Not tried again" in str(e) for e in errors) == 3, errors
+    finally:
+        logins.close()
+        get_settings.cache_clear()
+
+
 # ------------------------------------------------------------------ the operator's pause
 
 
