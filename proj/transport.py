@@ -121,6 +121,36 @@ class GuardedChannel(kombu_redis.Channel):
                 pipe.llen(self._q_for_pri(queue, pri))
             return sum(n for n in pipe.execute() if isinstance(n, int))
 
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """kombu's, taking a binding that did not reach Redis back out of the connection's state.
+
+        Why: kombu records the binding in `self.state` before `_queue_bind` writes it, and skips
+        the write when the state has it. A binding refused (`_queue_bind`'s lost connection) on
+        a connection its caller kept (a producer whose publish retries ran out stays in the
+        pool) was never written: the next declaration found it in the state, and a message
+        published to the exchange reached no queue (`tests/faults/test_faults_redis_memory.py::
+        test_a_binding_redis_refused_is_written_when_the_same_connection_declares_it_again`)."""
+        try:
+            super().queue_bind(queue, exchange, routing_key, arguments, **kwargs)
+        except redis.exceptions.ConnectionError:
+            self._forget_binding(queue, exchange or "amq.direct", routing_key, arguments)
+            raise
+
+    def _forget_binding(self, queue: str, exchange: str, routing_key: str, arguments: Any) -> None:
+        """Undo what `queue_bind` recorded before its write failed: the binding and its table row."""
+        self.state.binding_delete(queue, exchange, routing_key)
+        meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+        table = self.state.exchanges.get(exchange, {}).get("table", [])
+        if meta in table:
+            table.remove(meta)
+
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str, queue: str) -> None:
         """Record the binding; when Redis refuses writes, carry on if the binding is recorded
         already (every restart of a worker re-binds its queues) or not needed (a fanout, remote

@@ -210,3 +210,35 @@ def test_redis_allkeys_lru_evicting_queued_messages_is_recovered_by_the_sweeper(
     assert resent == len(waiting)
     assert_each_step_once(ids)
     assert procs.procs["w"].poll() is None and procs.procs["beat"].poll() is None
+
+
+def test_a_binding_redis_refused_is_written_when_the_same_connection_declares_it_again(
+    tmp_path: Path,
+) -> None:
+    """A new binding Redis refuses is reported as a lost connection (`GuardedChannel._queue_bind`),
+    but kombu's `queue_bind` records it in the connection's state first. A caller that kept the
+    connection (a producer whose publish retries ran out keeps its pooled connection) then
+    declared the queue again once Redis took writes: the state said bound, the SADD was skipped,
+    and a message published to the exchange reached no queue. Now a refused binding is taken
+    back out of the state, so the next declaration writes it."""
+    import kombu
+
+    from proj.transport import GuardedTransport
+
+    with private_redis(tmp_path) as server:
+        r = client(server)
+        with kombu.Connection(server.url, transport=GuardedTransport) as conn:
+            channel = conn.channel()
+            exchange = kombu.Exchange("fresh.v9", type="direct")
+            queue = kombu.Queue("fresh.v9", exchange, routing_key="fresh.v9")
+            fill_until_refused(r)
+            with pytest.raises(redis.exceptions.ConnectionError):
+                queue(channel).declare()
+            r.config_set("maxmemory", 0)  # the operator gives Redis memory
+
+            queue(channel).declare()
+            member = channel.sep.join(["fresh.v9", "", "fresh.v9"])  # a direct binding has no pattern
+            assert r.sismember("_kombu.binding.fresh.v9", member)
+            kombu.Producer(channel).publish({"n": 1}, exchange=exchange, routing_key="fresh.v9")
+            assert r.llen("fresh.v9") == 1
+            channel.close()
