@@ -2,7 +2,8 @@
 corruption, queue a re-import.
 
 Each run stats every file (gone, or another size: flagged at once) and re-hashes the least
-recently verified files against their recorded sha256 until it has read 1/`VERIFY_CYCLE_RUNS`
+recently verified files (a new file counts as verified by its import) against their recorded
+sha256 until it has read 1/`VERIFY_CYCLE_RUNS`
 (30) of the library's bytes, and at least `VERIFY_MIN_HASH_BYTES` (64 GiB). So every byte is
 read at least once every 30 runs (a month at the daily default) whatever the library's size,
 a library under 64 GiB is read whole every run, and a run's cost is bounded: a 20 TB library
@@ -96,6 +97,14 @@ def bytes_hold(path: Path, sha256: str) -> bool:
         return False
 
 
+# When a file's bytes were last known good: its last re-hash, else its import (whose copy was
+# held to the verified sha256). Why not "never verified first": a library growing by its share
+# between runs spent every run on its new files and never reached the old ones, whose rot then
+# went unfound past the cycle (`tests/integration/test_library_leftovers.py::
+# test_verify_library_reaches_its_old_files_while_new_ones_keep_arriving`).
+last_checked = func.coalesce(LibraryItem.verified_at, LibraryItem.created_at)
+
+
 def verify(ctx: StepContext) -> dict[str, Any]:
     """Stat every `ok` item; re-hash the least recently verified, within `hash_budget`."""
     with db.transaction() as s:
@@ -103,7 +112,7 @@ def verify(ctx: StepContext) -> dict[str, Any]:
             s.scalars(
                 select(LibraryItem)
                 .where(LibraryItem.status == "ok")
-                .order_by(LibraryItem.verified_at.asc().nulls_first(), LibraryItem.id)
+                .order_by(last_checked.asc(), LibraryItem.id)
             )
         )
     unavailable = sorted({i.root for i in listed if not root_available(Path(i.root))})

@@ -386,6 +386,35 @@ def test_verify_library_takes_a_file_it_cannot_read_for_corrupt_and_checks_the_o
     assert sql("SELECT kind, subject FROM acq.flag") == [("corrupt_file", str(items[0][0]))]
 
 
+def test_verify_library_reaches_its_old_files_while_new_ones_keep_arriving(
+    one_step_at_a_time: tuple[Path, Path],
+) -> None:
+    """Files never verified come first (`verified_at` NULL), and each run's share was
+    1/VERIFY_CYCLE_RUNS of the library: a library growing by that much between runs (a 2 TB
+    library at 30 runs gets 68 GB a day) spent every run on its new files and never reached the
+    old ones, so rot in them was not found within the cycle, nor at all while the growth lasted.
+    Now a file's place in line is when it was last known good, its import for a new one."""
+    _, lib = one_step_at_a_time
+    old = [library_item(lib, size=64 * 1024) for _ in range(2)]
+    sql("UPDATE acq.library_item SET verified_at = now() - interval '2 days' WHERE id = %s", (old[0][0],))
+    sql("UPDATE acq.library_item SET verified_at = now() - interval '1 day' WHERE id = %s", (old[1][0],))
+    rot_in_place(lib / str(old[0][1]) / REL)
+    settings = get_settings()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(settings, "verify_cycle_runs", 2)
+        mp.setattr(settings, "verify_min_hash_bytes", 0)
+        new = [library_item(lib, size=64 * 1024) for _ in range(2)]  # imported since the last run
+        run_id = enqueue_periodic("verify_library", 61)
+        assert run_to_end(run_id) == "succeeded", last_error(run_id)
+    result = scalar("SELECT result FROM engine.task_run WHERE id = %s", (run_id,))
+    assert result["corrupt"] == 1, result
+    assert scalar("SELECT status FROM acq.library_item WHERE id = %s", (old[0][0],)) == "corrupt"
+    hashed = {
+        i for (i,) in sql("SELECT id FROM acq.library_item WHERE verified_at > now() - interval '1 hour'")
+    }
+    assert hashed == {old[1][0]} and result["hashed"] == 2, (hashed, new)  # the old two, one rotten
+
+
 # ------------------------------------------ a download rotting between the piece check and the copy
 
 
