@@ -88,6 +88,21 @@ class GuardedQoS(kombu_redis.QoS):
             _refused("rejecting it", delivery_tag, exc)
             virtual.QoS.ack(self, delivery_tag)
 
+    def restore_unacked(self, client: Any = None) -> None:
+        """kombu's, a restore Redis refuses left to the visibility scan: its record stays (the
+        transaction was discarded whole), so the message is re-sent once Redis takes writes.
+        Why: a channel closed while it held an unacknowledged message raised the refusal out of
+        `Connection.close()`, past `GuardedTransport.close_connection`'s other channels
+        (`tests/faults/test_faults_redis_memory.py::
+        test_a_channel_holding_an_unacknowledged_message_closes_while_redis_refuses_writes`)."""
+        with self.channel.conn_or_acquire(client) as conn:
+            for tag in self._delivered:
+                try:
+                    self.restore_by_tag(tag, client=conn)
+                except REFUSED as exc:
+                    _refused("restoring it", tag, exc)
+        self._delivered.clear()
+
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         try:
             super().restore_visible(start=start, num=num, interval=interval)

@@ -242,3 +242,32 @@ def test_a_binding_redis_refused_is_written_when_the_same_connection_declares_it
             kombu.Producer(channel).publish({"n": 1}, exchange=exchange, routing_key="fresh.v9")
             assert r.llen("fresh.v9") == 1
             channel.close()
+
+
+def test_a_channel_holding_an_unacknowledged_message_closes_while_redis_refuses_writes(
+    tmp_path: Path,
+) -> None:
+    """Closing a channel puts its unacknowledged messages back (`QoS.restore_unacked`), a MULTI
+    Redis refuses at maxmemory. Before: the OutOfMemoryError escaped `Connection.close()` (it is
+    no connection error, so `GuardedTransport.close_connection` stopped there, leaving the other
+    channels open). Now the refused restore is logged and the message's restore record kept, so
+    kombu's visibility scan re-delivers it once Redis takes writes (and Postgres re-sends its
+    step anyway)."""
+    import kombu
+
+    from proj.transport import GuardedTransport
+
+    with private_redis(tmp_path) as server:
+        r = client(server)
+        conn = kombu.Connection(server.url, transport=GuardedTransport)
+        channel = conn.channel()
+        queue = kombu.Queue("held", kombu.Exchange("held", type="direct"), routing_key="held")
+        queue(channel).declare()
+        kombu.Producer(channel).publish({"n": 1}, exchange="held", routing_key="held")
+        assert queue(channel).get(no_ack=False) is not None
+        assert r.hlen("unacked") == 1
+        fill_until_refused(r)
+
+        conn.close()
+        r.config_set("maxmemory", 0)
+        assert r.hlen("unacked") == 1 and r.zcard("unacked_index") == 1  # left for the scan
