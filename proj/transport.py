@@ -47,6 +47,7 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
 
 GUARDED = "proj.transport:GuardedTransport"
 
@@ -184,9 +185,13 @@ class GuardedChannel(kombu_redis.Channel):
             log.warning("broker refused re-binding queue %s to %s, bound already: %s", queue, exchange, exc)
 
     def _bound(self, exchange: str, routing_key: str, pattern: str, queue: str) -> bool:
+        """Whether Redis holds the binding. By SMEMBERS, which kombu's prefixing client prefixes
+        with a `global_keyprefix` (SISMEMBER it does not: with one, a binding was never found,
+        `tests/faults/test_faults_redis_memory.py::
+        test_a_worker_with_a_global_keyprefix_re_binds_its_queues_while_redis_refuses_writes`)."""
         member = self.sep.join([routing_key or "", pattern or "", queue or ""])
         with self.conn_or_acquire() as client:
-            return bool(client.sismember(self.keyprefix_queue % (exchange,), member))
+            return member in {bytes_to_str(m) for m in client.smembers(self.keyprefix_queue % (exchange,))}
 
 
 class GuardedTransport(kombu_redis.Transport):

@@ -271,3 +271,28 @@ def test_a_channel_holding_an_unacknowledged_message_closes_while_redis_refuses_
         conn.close()
         r.config_set("maxmemory", 0)
         assert r.hlen("unacked") == 1 and r.zcard("unacked_index") == 1  # left for the scan
+
+
+def test_a_worker_with_a_global_keyprefix_re_binds_its_queues_while_redis_refuses_writes(
+    tmp_path: Path,
+) -> None:
+    """A restarted worker re-binds its queues; at maxmemory the write is refused and
+    `GuardedChannel._bound` asks whether the binding is there already. kombu's prefixing client
+    prefixes SADD and SMEMBERS but not SISMEMBER, so with a `global_keyprefix` the question was
+    asked of the unprefixed key: never bound, every restart failed as a lost connection until
+    Redis took writes again."""
+    import kombu
+
+    from proj.transport import GuardedTransport
+
+    options = {"global_keyprefix": "tenant-a:"}
+    queue = kombu.Queue("again", kombu.Exchange("again", type="direct"), routing_key="again")
+    with private_redis(tmp_path) as server:
+        r = client(server)
+        with kombu.Connection(server.url, transport=GuardedTransport, transport_options=options) as first:
+            queue(first.channel()).declare()
+        assert r.exists("tenant-a:_kombu.binding.again")
+        fill_until_refused(r)
+        with kombu.Connection(server.url, transport=GuardedTransport, transport_options=options) as restarted:
+            queue(restarted.channel()).declare()  # bound already: carries on
+        r.config_set("maxmemory", 0)
