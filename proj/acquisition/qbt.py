@@ -51,13 +51,10 @@ class LoginRefused(NonRetryable):
 # The memo of refused credentials, shared by every worker process: an `acq.flag` row of kind
 # `qbt_login_refused` whose subject is a digest of (URL, username, password), never the password.
 # `RECENT_REFUSAL` finds it while it is younger than `:window` seconds; `RECORD_REFUSAL` writes
-# it (again); `FORGET_REFUSALS` drops every one of the URL once a login there succeeded.
-# Held from the memo's check to the refusal's record: clients logging in together (a worker
-# restart picking up several requests and the reconcile at once) each found no refusal and each
-# tried, up to qBittorrent's ban threshold; now they take turns per URL and the later ones find
-# the first one's refusal (`tests/integration/test_qbt_review.py::
-# test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_login`).
-LOCK_LOGIN = text("SELECT pg_advisory_xact_lock(hashtextextended('qbt-login:' || :url, 0))")
+# it (again); `FORGET_REFUSAL` drops the credentials' own once they logged in (a window that
+# ended, or was shortened). Only their own: a success of the right password forgot the refusal of
+# a worker still given the old one, which then tried again at each step until its host was banned
+# (`tests/integration/test_qbt_review.py::test_a_login_that_succeeds_keeps_the_refusal_of_other_credentials`).
 RECENT_REFUSAL = text(
     """
     SELECT at, detail->>'message' AS message FROM acq.flag
@@ -72,11 +69,17 @@ RECORD_REFUSAL = text(
     ON CONFLICT (kind, subject) DO UPDATE SET detail = excluded.detail, at = excluded.at
     """
 )
-FORGET_REFUSALS = text(
+FORGET_REFUSAL = text(
     """
-    DELETE FROM acq.flag WHERE kind = 'qbt_login_refused' AND detail->>'url' = :url
+    DELETE FROM acq.flag WHERE kind = 'qbt_login_refused' AND subject = :subject
     """
 )
+# Held from the memo's check to the refusal's record: clients logging in together (a worker
+# restart picking up several requests and the reconcile at once) each found no refusal and each
+# tried, up to qBittorrent's ban threshold; now they take turns per URL and the later ones find
+# the first one's refusal (`tests/integration/test_qbt_review.py::
+# test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_login`).
+LOCK_LOGIN = text("SELECT pg_advisory_xact_lock(hashtextextended('qbt-login:' || :url, 0))")
 
 
 def credentials_digest(url: str, username: str, password: str) -> str:
@@ -121,7 +124,7 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
             raise LoginRefused(login_refusal(self.host, self.username, failed)) from failed
 
     def _log_in_recorded(self, s: Session, subject: str, kwargs: dict[str, Any]) -> BaseException | None:
-        """Log in, recording a refusal or forgetting the URL's refusals in `s` (the login lock's
+        """Log in, recording a refusal or forgetting these credentials' own in `s` (the login lock's
         transaction, committed even when the login was refused); the refusal, or None."""
         try:
             super().auth_log_in(**kwargs)
@@ -130,7 +133,7 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
             detail = json.dumps({"url": self.host, "username": self.username, "message": message})
             s.execute(RECORD_REFUSAL, {"subject": subject, "detail": detail})
             return exc
-        s.execute(FORGET_REFUSALS, {"url": self.host})
+        s.execute(FORGET_REFUSAL, {"subject": subject})
         return None
 
 

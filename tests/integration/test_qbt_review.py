@@ -341,7 +341,9 @@ def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
         connect_thread.start()
         connect_thread.join()
         assert errors == [] and logins.requests_seen == 2
-        assert scalar("SELECT count(*) FROM acq.flag WHERE kind = 'qbt_login_refused'") == 0
+        # The wrong password's refusal stays for its window (another worker may still have it).
+        wrong = qbt.credentials_digest(logins.url, "admin", "wrong-secret")
+        assert sql("SELECT subject FROM acq.flag WHERE kind = 'qbt_login_refused'") == [(wrong,)]
     finally:
         logins.close()
         get_settings.cache_clear()
@@ -388,6 +390,53 @@ def test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_log
         assert len(errors) == 4 and all(isinstance(e, qbt.LoginRefused) for e in errors), errors
         assert logins.requests_seen == 1, errors
         assert sum("Not tried again" in str(e) for e in errors) == 3, errors
+    finally:
+        logins.close()
+        get_settings.cache_clear()
+
+
+def test_a_login_that_succeeds_keeps_the_refusal_of_other_credentials(
+    qbt_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sets of credentials at one qBittorrent: a worker still given the old password (another
+    host not yet updated, a container not yet recreated) and one given the right one. Before:
+    each login of the right one forgot every refusal of the URL, so the wrong one tried again at
+    its next step, a failed login each time, until qBittorrent banned its host. Now a success
+    forgets only its own credentials' refusal."""
+    from proj.acquisition import qbt
+    from proj.settings import get_settings
+    from tests.support.proxy import CutProxy
+
+    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
+    managed = qbt_factory(
+        "memo3", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
+    )
+    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
+    monkeypatch.setenv("QBT_URL", logins.url)
+    monkeypatch.setenv("QBT_USERNAME", "admin")
+    try:
+        outcomes: list[str] = []
+
+        def connect_with(password: str) -> None:  # a fresh thread: a client of its own, as in another worker
+            monkeypatch.setenv("QBT_PASSWORD", password)
+            get_settings.cache_clear()
+
+            def run() -> None:
+                try:
+                    qbt.client().app_version()
+                    outcomes.append("ok")
+                except qbt.LoginRefused as exc:
+                    outcomes.append("memo" if "Not tried again" in str(exc) else "refused")
+
+            t = threading.Thread(target=run)
+            t.start()
+            t.join()
+
+        connect_with("wrong-secret")
+        connect_with("right-secret")
+        connect_with("wrong-secret")
+        assert outcomes == ["refused", "ok", "memo"], outcomes
+        assert logins.requests_seen == 2
     finally:
         logins.close()
         get_settings.cache_clear()
