@@ -415,6 +415,37 @@ def test_verify_library_reaches_its_old_files_while_new_ones_keep_arriving(
     assert hashed == {old[1][0]} and result["hashed"] == 2, (hashed, new)  # the old two, one rotten
 
 
+def test_verify_library_whose_disk_drops_midway_flags_the_root_not_the_files_after(
+    one_step_at_a_time: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The root is checked once, before the files: a NAS unmounted while the run reads (a long
+    run, at 250 MB/s some 45 min) left its bare mount point, and every file after that failed
+    its stat and was marked corrupt, each queuing a re-import, as the check at the start is
+    there to prevent. Now a root that is gone by the end of the run is flagged and its files left
+    as they are."""
+    _, lib = one_step_at_a_time
+    for _ in range(3):
+        library_item(lib, size=64 * 1024)
+    elsewhere = tmp_path / "the-nas-itself"
+    elsewhere.mkdir()
+    real_sha256 = library.sha256_file
+
+    def read_then_unmount(path: Path, *args: Any, **kwargs: Any) -> str:
+        digest = real_sha256(path, *args, **kwargs)
+        for entry in list(lib.iterdir()):  # the mount point is left bare
+            entry.rename(elsewhere / entry.name)
+        return digest
+
+    monkeypatch.setattr(library, "sha256_file", read_then_unmount)
+    run_id = enqueue_periodic("verify_library", 71)
+    assert run_to_end(run_id) == "succeeded", last_error(run_id)
+    result = scalar("SELECT result FROM engine.task_run WHERE id = %s", (run_id,))
+    assert result["corrupt"] == 0 and result["unavailable_roots"] == [str(lib)], result
+    assert {st for (st,) in sql("SELECT status FROM acq.library_item")} == {"ok"}
+    assert sql("SELECT kind, subject FROM acq.flag") == [("library_root_unavailable", str(lib))]
+    assert scalar("SELECT count(*) FROM outbox.outbox_event WHERE kind = 'import'") == 0
+
+
 # ------------------------------------------ a download rotting between the piece check and the copy
 
 
