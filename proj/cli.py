@@ -187,6 +187,15 @@ def list_runs(
         errors.print(f"[dim]more than {limit}: use --limit or filters[/dim]")
 
 
+@cli.command("qbt-login-retry")
+def qbt_login_retry() -> None:
+    """Let the workers log in to qBittorrent again now: after fixing its password on its side."""
+    from proj.acquisition.qbt import forget_login_refusals
+
+    n = forget_login_refusals()
+    typer.echo(f"forgot {n} refused qBittorrent login(s): each worker tries its credentials at its next step")
+
+
 @cli.command()
 def signal(topic: str, payload: str = typer.Option("null", help="JSON payload")) -> None:
     """Store a signal and wake the runs waiting on TOPIC (e.g. qBittorrent's on-finish hook)."""

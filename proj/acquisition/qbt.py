@@ -74,6 +74,12 @@ FORGET_REFUSAL = text(
     DELETE FROM acq.flag WHERE kind = 'qbt_login_refused' AND subject = :subject
     """
 )
+# `proj qbt-login-retry`: every refusal, for an operator who fixed qBittorrent's side.
+FORGET_ALL_REFUSALS = text(
+    """
+    DELETE FROM acq.flag WHERE kind = 'qbt_login_refused'
+    """
+)
 # Held from the memo's check to the refusal's record: clients logging in together (a worker
 # restart picking up several requests and the reconcile at once) each found no refusal and each
 # tried, up to qBittorrent's ban threshold; now they take turns per URL and the later ones find
@@ -118,7 +124,8 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
         if refused is not None:
             raise LoginRefused(
                 f"{refused.message} Not tried again before {window:.0f}s after {refused.at.isoformat()}, so "
-                "that qBittorrent does not ban this host; changed credentials are tried at once"
+                "that qBittorrent does not ban this host; changed credentials are tried at once, and "
+                "`proj qbt-login-retry` ends the wait once qBittorrent's side is fixed"
             )
         if failed is not None:
             raise LoginRefused(login_refusal(self.host, self.username, failed)) from failed
@@ -135,6 +142,15 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
             return exc
         s.execute(FORGET_REFUSAL, {"subject": subject})
         return None
+
+
+def forget_login_refusals() -> int:
+    """Forget every refused login, so each worker tries its credentials at its next step; how
+    many were forgotten. Why: the memo waits `QBT_LOGIN_RETRY_S` (900 s) even when the operator
+    fixed the password on qBittorrent's side, which no worker can see
+    (`tests/integration/test_qbt_review.py::test_qbt_login_retry_ends_the_wait_once_qbittorrent_takes_the_password`)."""
+    with db.transaction() as s:
+        return int(s.execute(FORGET_ALL_REFUSALS).rowcount or 0)
 
 
 def login_refusal(url: str, username: str, exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import qbittorrentapi
 
 from proj import db
 from proj.acquisition import service
@@ -344,6 +345,61 @@ def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
         # The wrong password's refusal stays for its window (another worker may still have it).
         wrong = qbt.credentials_digest(logins.url, "admin", "wrong-secret")
         assert sql("SELECT subject FROM acq.flag WHERE kind = 'qbt_login_refused'") == [(wrong,)]
+    finally:
+        logins.close()
+        get_settings.cache_clear()
+
+
+def test_qbt_login_retry_ends_the_wait_once_qbittorrent_takes_the_password(
+    qbt_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator fixes the password on qBittorrent's side, to the one the workers have: the
+    memo still refuses it for `QBT_LOGIN_RETRY_S`, since no worker can see the change, until
+    `proj qbt-login-retry`, which the refusal's message names."""
+    from typer.testing import CliRunner
+
+    from proj.acquisition import qbt
+    from proj.cli import cli
+    from proj.settings import get_settings
+    from tests.support.proxy import CutProxy
+
+    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
+    managed = qbt_factory(
+        "lift", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
+    )
+    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
+    monkeypatch.setenv("QBT_URL", logins.url)
+    monkeypatch.setenv("QBT_USERNAME", "admin")
+    monkeypatch.setenv("QBT_PASSWORD", "the-workers-secret")
+    get_settings.cache_clear()
+    try:
+
+        def login() -> BaseException | None:  # a fresh thread: a client of its own, as in a worker
+            seen: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    qbt.client().app_version()
+                except BaseException as exc:  # noqa: BLE001 - returned for the assertions
+                    seen.append(exc)
+
+            t = threading.Thread(target=run)
+            t.start()
+            t.join()
+            return seen[0] if seen else None
+
+        assert isinstance(login(), qbt.LoginRefused) and logins.requests_seen == 1
+        admin = qbittorrentapi.Client(
+            host=f"http://127.0.0.1:{managed.webui_port}", username="admin", password="right-secret"
+        )
+        admin.app_set_preferences({"web_ui_password": "the-workers-secret"})  # fixed on its side
+        refused = login()
+        assert isinstance(refused, qbt.LoginRefused) and "proj qbt-login-retry" in str(refused), refused
+        assert logins.requests_seen == 1  # the memo: not tried
+
+        result = CliRunner().invoke(cli, ["qbt-login-retry"])
+        assert result.exit_code == 0 and "forgot 1 refused" in result.output, result.output
+        assert login() is None and logins.requests_seen == 2
     finally:
         logins.close()
         get_settings.cache_clear()
