@@ -64,8 +64,9 @@ def test_attempts_that_meet_an_outage_are_not_spent(published) -> None:
     assert view.last_error["outage_since"] and view.last_error["attempts"] == 0, view.last_error
 
     assert again(step) == "succeeded"
-    status, attempts, outages, _ = step_row(step)
+    status, attempts, outages, since = step_row(step)
     assert (status, attempts, outages) == ("succeeded", 6, 5)
+    assert since is None  # the outage ended with the success: out of `step_outage_idx`
     assert outcomes(step) == ["unavailable"] * 5
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (run,)) == "succeeded"
 

@@ -54,7 +54,7 @@ SUCCEED_AND_LOCK_RUN = text(
     """
     WITH done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL, outage_since = NULL
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
     )
@@ -79,7 +79,7 @@ SUCCEED_AND_CLAIM_NEXT = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL, outage_since = NULL
           FROM run
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
@@ -119,7 +119,7 @@ SUCCEED_AND_PUBLISH_NEXT = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL, outage_since = NULL
           FROM run
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
@@ -167,7 +167,7 @@ SUCCEED_AND_CLAIM_NEXT_BATCH = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(w.result AS jsonb),
-               finished_at = now(), lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL, outage_since = NULL
           FROM w, run
          WHERE s.id = w.id AND run.step_id = s.id AND s.lease_token = w.tok AND s.status = 'running'
      RETURNING s.id, s.run_id
@@ -203,7 +203,7 @@ SUCCEED_AND_FINISH = text(
            FOR UPDATE OF r
     ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
-               finished_at = now(), lease_until = NULL, progress = NULL
+               finished_at = now(), lease_until = NULL, progress = NULL, outage_since = NULL
           FROM run
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
