@@ -49,7 +49,7 @@ def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
 ) -> None:
     cut_url = pg_url().replace("127.0.0.1:5432", f"127.0.0.1:{pg_proxy.port}")
     assert cut_url != pg_url()
-    procs.worker("cut", concurrency=1, env={"DATABASE_URL": cut_url, "LEASE_TTL_S": "3"})
+    procs.worker("cut", concurrency=1, env={"DATABASE_URL": cut_url, "LEASE_TTL_S": "6"})
     inp = _effects_input(tmp_path, receiver, hold_in="http", hold_when="after", hold_s=12.0)
     ref = runs.enqueue("effects", inp, idempotency_key=new_key())
     wait_for(lambda: [e for e in read_journal(inp["journal"]) if e["event"] == "hold"], 30, what="the hold")
@@ -58,19 +58,22 @@ def test_a_partitioned_worker_is_taken_over_at_its_lease_and_fenced(
     try:
         hole.cut()
         cut_at = time.monotonic()
+        # The lease as the cut worker last renewed it: nothing it sends arrives any more.
+        lease_until = scalar(
+            "SELECT lease_until FROM engine.step WHERE run_id = %s AND status = 'running'", (ref.task_run_id,)
+        )
         procs.worker("rescuer", concurrency=1)  # its own, working connection
         procs.beat()
-        # Not before the lease: the session is still open on the server, so no fast path.
-        time.sleep(1.5)
-        assert (
-            scalar(
-                "SELECT count(*) FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
-                "WHERE s.run_id = %s",
-                (ref.task_run_id,),
-            )
-            == 1
-        )
         wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 60, what="the rescuer to finish")
+        # Not before the lease: the cut worker's sessions are still open on the server, so its
+        # liveness lock is held and no fast path ends the lease early. (A check 1.5 s after the
+        # rescuer was ready raced the lease itself when the rescuer took long to start.)
+        second = scalar(
+            "SELECT a.started_at FROM engine.attempt a JOIN engine.step s ON s.id = a.step_id "
+            "WHERE s.run_id = %s AND a.attempt = 2",
+            (ref.task_run_id,),
+        )
+        assert lease_until is not None and second is not None and second >= lease_until, (lease_until, second)
         taken = time.monotonic() - cut_at
         # The cut worker's statements fail instead of hanging (heartbeat every lease/3).
         wait_for(lambda: "lease heartbeat failed" in procs.log("cut"), 30, what="the cut worker to notice")
