@@ -11,7 +11,9 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 import qbittorrentapi
@@ -296,6 +298,51 @@ def test_wrong_qbittorrent_credentials_fail_once_and_clearly_without_getting_the
     assert managed.client().app_version()
 
 
+@contextmanager
+def counted_logins(
+    qbt_factory, monkeypatch: pytest.MonkeyPatch, name: str, password: str | None
+) -> Iterator[Any]:
+    """A real qBittorrent whose Web UI password is `right-secret`, reached as QBT_URL through a
+    proxy that counts the logins it is sent (yielded), as `admin` with QBT_PASSWORD `password`
+    (None: the test sets it); the settings are read afresh before and after."""
+    from proj.settings import get_settings
+    from tests.support.proxy import CutProxy
+
+    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
+    managed = qbt_factory(
+        name, username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
+    )
+    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)
+    monkeypatch.setenv("QBT_URL", logins.url)
+    monkeypatch.setenv("QBT_USERNAME", "admin")
+    if password is not None:
+        monkeypatch.setenv("QBT_PASSWORD", password)
+    get_settings.cache_clear()
+    try:
+        yield managed, logins
+    finally:
+        logins.close()
+        get_settings.cache_clear()
+
+
+def log_in_elsewhere() -> BaseException | None:
+    """`qbt.client()` in a fresh thread, a client of its own as in another worker; its error."""
+    from proj.acquisition import qbt
+
+    seen: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            qbt.client().app_version()
+        except BaseException as exc:  # noqa: BLE001 - returned for the assertions
+            seen.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return seen[0] if seen else None
+
+
 def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
     qbt_factory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -306,30 +353,9 @@ def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
     the corrected password is tried at once."""
     from proj.acquisition import qbt
     from proj.settings import get_settings
-    from tests.support.proxy import CutProxy
 
-    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
-    managed = qbt_factory(
-        "memo", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
-    )
-    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
-    monkeypatch.setenv("QBT_URL", logins.url)
-    monkeypatch.setenv("QBT_USERNAME", "admin")
-    monkeypatch.setenv("QBT_PASSWORD", "wrong-secret")
-    get_settings.cache_clear()
-    try:
-        errors: list[BaseException] = []
-
-        def connect() -> None:  # a fresh thread: a client of its own, as in another worker
-            try:
-                qbt.client().app_version()
-            except BaseException as exc:  # noqa: BLE001 - collected for the assertions
-                errors.append(exc)
-
-        for _ in range(4):
-            t = threading.Thread(target=connect)
-            t.start()
-            t.join()
+    with counted_logins(qbt_factory, monkeypatch, "memo", "wrong-secret") as (_, logins):
+        errors = [log_in_elsewhere() for _ in range(4)]
         assert logins.requests_seen == 1, errors
         assert len(errors) == 4 and all(isinstance(e, qbt.LoginRefused) for e in errors), errors
         assert all("QBT_USERNAME" in str(e) and "secret" not in str(e) for e in errors), errors
@@ -337,17 +363,10 @@ def test_credentials_qbittorrent_refused_are_not_tried_again_by_any_worker(
 
         monkeypatch.setenv("QBT_PASSWORD", "right-secret")
         get_settings.cache_clear()
-        errors.clear()
-        connect_thread = threading.Thread(target=connect)
-        connect_thread.start()
-        connect_thread.join()
-        assert errors == [] and logins.requests_seen == 2
+        assert log_in_elsewhere() is None and logins.requests_seen == 2
         # The wrong password's refusal stays for its window (another worker may still have it).
         wrong = qbt.credentials_digest(logins.url, "admin", "wrong-secret")
         assert sql("SELECT subject FROM acq.flag WHERE kind = 'qbt_login_refused'") == [(wrong,)]
-    finally:
-        logins.close()
-        get_settings.cache_clear()
 
 
 def test_qbt_login_retry_ends_the_wait_once_qbittorrent_takes_the_password(
@@ -360,49 +379,20 @@ def test_qbt_login_retry_ends_the_wait_once_qbittorrent_takes_the_password(
 
     from proj.acquisition import qbt
     from proj.cli import cli
-    from proj.settings import get_settings
-    from tests.support.proxy import CutProxy
 
-    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
-    managed = qbt_factory(
-        "lift", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
-    )
-    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
-    monkeypatch.setenv("QBT_URL", logins.url)
-    monkeypatch.setenv("QBT_USERNAME", "admin")
-    monkeypatch.setenv("QBT_PASSWORD", "the-workers-secret")
-    get_settings.cache_clear()
-    try:
-
-        def login() -> BaseException | None:  # a fresh thread: a client of its own, as in a worker
-            seen: list[BaseException] = []
-
-            def run() -> None:
-                try:
-                    qbt.client().app_version()
-                except BaseException as exc:  # noqa: BLE001 - returned for the assertions
-                    seen.append(exc)
-
-            t = threading.Thread(target=run)
-            t.start()
-            t.join()
-            return seen[0] if seen else None
-
-        assert isinstance(login(), qbt.LoginRefused) and logins.requests_seen == 1
+    with counted_logins(qbt_factory, monkeypatch, "lift", "the-workers-secret") as (managed, logins):
+        assert isinstance(log_in_elsewhere(), qbt.LoginRefused) and logins.requests_seen == 1
         admin = qbittorrentapi.Client(
             host=f"http://127.0.0.1:{managed.webui_port}", username="admin", password="right-secret"
         )
         admin.app_set_preferences({"web_ui_password": "the-workers-secret"})  # fixed on its side
-        refused = login()
+        refused = log_in_elsewhere()
         assert isinstance(refused, qbt.LoginRefused) and "proj qbt-login-retry" in str(refused), refused
         assert logins.requests_seen == 1  # the memo: not tried
 
         result = CliRunner().invoke(cli, ["qbt-login-retry"])
         assert result.exit_code == 0 and "forgot 1 refused" in result.output, result.output
-        assert login() is None and logins.requests_seen == 2
-    finally:
-        logins.close()
-        get_settings.cache_clear()
+        assert log_in_elsewhere() is None and logins.requests_seen == 2
 
 
 def test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_login(
@@ -415,19 +405,9 @@ def test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_log
     the record are one step under a Postgres advisory lock of the URL: one failed login."""
     from proj.acquisition import qbt
     from proj.settings import get_settings
-    from tests.support.proxy import CutProxy
 
-    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
-    managed = qbt_factory(
-        "memo2", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
-    )
-    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
-    monkeypatch.setenv("QBT_URL", logins.url)
-    monkeypatch.setenv("QBT_USERNAME", "admin")
-    monkeypatch.setenv("QBT_PASSWORD", "wrong-secret")
-    get_settings.cache_clear()
-    get_settings()  # settled before the threads: each would otherwise read the environment itself
-    try:
+    with counted_logins(qbt_factory, monkeypatch, "memo2", "wrong-secret") as (_, logins):
+        get_settings()  # settled before the threads: each would otherwise read the environment itself
         errors: list[BaseException] = []
         together = threading.Barrier(4)
 
@@ -446,9 +426,6 @@ def test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_log
         assert len(errors) == 4 and all(isinstance(e, qbt.LoginRefused) for e in errors), errors
         assert logins.requests_seen == 1, errors
         assert sum("Not tried again" in str(e) for e in errors) == 3, errors
-    finally:
-        logins.close()
-        get_settings.cache_clear()
 
 
 def test_a_login_that_succeeds_keeps_the_refusal_of_other_credentials(
@@ -461,41 +438,25 @@ def test_a_login_that_succeeds_keeps_the_refusal_of_other_credentials(
     forgets only its own credentials' refusal."""
     from proj.acquisition import qbt
     from proj.settings import get_settings
-    from tests.support.proxy import CutProxy
 
-    lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
-    managed = qbt_factory(
-        "memo3", username="admin", password="right-secret", localhost_auth_bypass=False, extra_config=lenient
-    )
-    logins = CutProxy(("127.0.0.1", managed.webui_port), b"/api/v2/auth/login", cuts=0)  # counts them
-    monkeypatch.setenv("QBT_URL", logins.url)
-    monkeypatch.setenv("QBT_USERNAME", "admin")
-    try:
+    with counted_logins(qbt_factory, monkeypatch, "memo3", None) as (_, logins):
         outcomes: list[str] = []
 
-        def connect_with(password: str) -> None:  # a fresh thread: a client of its own, as in another worker
+        def connect_with(password: str) -> None:
             monkeypatch.setenv("QBT_PASSWORD", password)
             get_settings.cache_clear()
-
-            def run() -> None:
-                try:
-                    qbt.client().app_version()
-                    outcomes.append("ok")
-                except qbt.LoginRefused as exc:
-                    outcomes.append("memo" if "Not tried again" in str(exc) else "refused")
-
-            t = threading.Thread(target=run)
-            t.start()
-            t.join()
+            exc = log_in_elsewhere()
+            if exc is None:
+                outcomes.append("ok")
+            else:
+                assert isinstance(exc, qbt.LoginRefused), exc
+                outcomes.append("memo" if "Not tried again" in str(exc) else "refused")
 
         connect_with("wrong-secret")
         connect_with("right-secret")
         connect_with("wrong-secret")
         assert outcomes == ["refused", "ok", "memo"], outcomes
         assert logins.requests_seen == 2
-    finally:
-        logins.close()
-        get_settings.cache_clear()
 
 
 # ------------------------------------------------------------------ the operator's pause
