@@ -11,7 +11,6 @@ A machine where tmpfs cannot be mounted fails these tests with the reason.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -27,6 +26,7 @@ from tests.acq_fixtures import *  # noqa: F403
 from tests.acq_fixtures import Receiver, Swarm
 from tests.qbt_fixtures import *  # noqa: F403
 from tests.qbt_fixtures import sha256_tree
+from tests.support.disks import fill
 from tests.support.services import dump_engine_state, scalar, sql, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -129,15 +129,7 @@ def test_library_filling_mid_copy_fails_clearly_and_leaves_nothing(
     procs.beat(env=env)
     task_id = request_and_approve(swarm, webhook)
     wait_for(lambda: leftovers(small_library), 120, interval=0.05, what="a copy to be under way")
-    filler = small_library / "someone-elses-file"
-    with filler.open("wb") as f:  # take every free byte left
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError:
-            pass
+    filler = fill(small_library)  # take every free byte left
     err = dead_letter(task_id, procs)
     assert "library full: needs" in err["message"] and " free on " in err["message"], err
     assert leftovers(small_library) == []  # the interrupted copy's temp file was removed

@@ -10,7 +10,6 @@ mounted fails this test with the reason.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ from proj.engine import runs
 from tests.conftest import new_key
 from tests.integration.test_ledger import _effects_input, op_row
 from tests.kinds_effects import Receiver, lines_for
+from tests.support.disks import fill
 from tests.support.private import PrivatePostgres, private_postgres
 from tests.support.services import ProcessGroup, scalar, sql, wait_for
 
@@ -54,20 +54,6 @@ def receiver() -> Iterator[Receiver]:
     r = Receiver()
     yield r
     r.close()
-
-
-def fill(root: Path) -> Path:
-    """Another writer takes every free byte of the disk."""
-    filler = root / "someone-elses-file"
-    with filler.open("wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError:
-            pass
-    return filler
 
 
 def assert_postgres_cannot_write(pg: PrivatePostgres) -> None:
