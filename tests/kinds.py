@@ -385,6 +385,17 @@ OUTAGE = register(
     )
 )
 
+# The step under a backoff long enough to tell its start (1 s) from its cap (10 min).
+OUTAGE_LONG = register(
+    Kind(
+        name="outage_long",
+        version=1,
+        retry=RetryPolicy(max_attempts=2, initial_s=1.0, max_s=600.0, outage_s=3600.0),
+        input_model=OutageInput,
+        canvas=(step("call", scripted),),
+    )
+)
+
 # The same step under a policy with no outage window: an `Unavailable` counts like any error.
 OUTAGE_COUNTED = register(
     Kind(

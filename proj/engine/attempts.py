@@ -44,6 +44,7 @@ class Claim:
     trace: dict[str, Any] | None = None
     parent_run_id: uuid.UUID | None = None
     deadline_at: datetime | None = None
+    outages: int = 0  # of `attempt`, those that met an outage and were not spent
 
 
 @dataclass(frozen=True)

@@ -89,10 +89,15 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> Attempt
 
     An outage (`Unavailable` under a policy with an `outage_s`) is retried without spending the
     attempt while the outage is younger than the window (`_wait_out`). The attempts spent are
-    counted by the statement, in the row (`attempts - outages`), not from the claim."""
+    counted by the statement, in the row (`attempts - outages`), not from the claim.
+
+    The backoff of an ordinary error grows with the attempts spent, not with an outage's: the
+    first error after a day waited out is retried after `initial_s`, not `max_s`
+    (`tests/integration/test_outages.py::test_an_error_after_an_outage_backs_off_from_the_start`).
+    An outage's own retries grow with every attempt, so a service down for long is asked less often."""
     err = error_payload(exc)
-    delay = policy.backoff(c.attempt)
     outage = isinstance(exc, Unavailable)
+    delay = policy.backoff(c.attempt if outage else c.attempt - c.outages)
     with db.transaction() as s:
         if outage and policy.outage_s > 0 and _wait_out(s, c, policy, err, delay):
             log.info(

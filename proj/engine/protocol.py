@@ -140,6 +140,7 @@ def _claim_of(row: store.ClaimedRow, token: uuid.UUID) -> Claim:
         trace=row.trace,
         parent_run_id=row.parent_run_id,
         deadline_at=row.deadline_at,
+        outages=row.outages,
     )
 
 

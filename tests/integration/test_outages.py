@@ -84,6 +84,28 @@ def test_an_outage_of_more_than_a_thousand_attempts_is_still_waited_out(publishe
     assert again(step) == "succeeded"
 
 
+def delay_s(step: int) -> float:
+    """Seconds until the step's next attempt."""
+    left = "SELECT extract(epoch FROM next_attempt_at - now()) FROM engine.step WHERE id = %s"
+    return float(scalar(left, (step,)))
+
+
+def test_an_error_after_an_outage_backs_off_from_the_start(published) -> None:
+    """Forty attempts waited out an outage (policy: 1 s, doubling, capped at 10 min). Its own
+    retries are asked at the cap; the first ordinary error after it counts as the first spent
+    attempt, retried after about 1 s. Before, the backoff grew with every attempt, outages
+    included, and that error waited 10 min."""
+    _, step = enqueue("UF.", kind="outage_long")
+    sql("UPDATE engine.step SET attempts = 40, outages = 40 WHERE id = %s", (step,))
+
+    assert protocol.execute(step, starts_run=True) == "unavailable"
+    assert delay_s(step) > 400
+    assert again(step) == "retry"
+    assert step_row(step)[:3] == ("pending", 42, 41)
+    assert 0.5 < delay_s(step) < 1.5
+    assert again(step) == "succeeded"
+
+
 def test_an_outage_older_than_its_window_spends_attempts_again(published) -> None:
     """Past `outage_s`, each attempt of the same outage counts: a service that never comes back
     still ends in a dead letter, with the policy's attempts spent. The counted attempts do not

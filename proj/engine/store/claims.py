@@ -78,7 +78,7 @@ CLAIM = text(
            AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
-               r.parent_run_id, r.deadline_at, now() AS claimed_at
+               r.parent_run_id, r.deadline_at, now() AS claimed_at, s.outages
     ), started AS (
         UPDATE engine.task_run t
            SET status = 'running', current_step = (SELECT name FROM claimed), updated_at = now(),
@@ -139,7 +139,7 @@ CLAIM_START = text(
            AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
-               r.parent_run_id, r.deadline_at, now() AS claimed_at
+               r.parent_run_id, r.deadline_at, now() AS claimed_at, s.outages
     ), started AS (
         UPDATE engine.task_run t
            SET status = 'running', current_step = (SELECT name FROM claimed), updated_at = now(),
@@ -190,7 +190,7 @@ CLAIM_BATCH = text(
            AND (r.deadline_at IS NULL OR r.deadline_at > now())
      RETURNING s.id, s.run_id, s.stage, s.name, s.item_index, s.item, s.attempts, s.max_attempts,
                r.kind, r.version, r.input, r.priority, r.concurrency_key, r.trace,
-               r.parent_run_id, r.deadline_at, now() AS claimed_at, s.lease_token
+               r.parent_run_id, r.deadline_at, now() AS claimed_at, s.outages, s.lease_token
     ), started AS (
         UPDATE engine.task_run t
            SET status = 'running', current_step = c.name, updated_at = now(),
@@ -227,6 +227,7 @@ class ClaimedRow(NamedTuple):
     parent_run_id: uuid.UUID | None
     deadline_at: datetime | None
     claimed_at: datetime
+    outages: int
 
 
 Executor = db.Autocommit | Session
