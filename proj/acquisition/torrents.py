@@ -8,7 +8,7 @@ import io
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import torf
 
@@ -32,6 +32,13 @@ class TorrentFile:
 
 @dataclass(frozen=True)
 class TorrentMeta:
+    """`files` and `total_size` are the payload: what is downloaded, verified and copied.
+
+    `layout` is every entry of `info.files` in order, padding files included (BEP 47), for the
+    piece check alone: padding is zeros that count in the pieces but lie on no disk (libtorrent
+    writes none, and a hybrid v1/v2 torrent has one after nearly every file). Empty when the
+    torrent has none: then it is `files`."""
+
     name: str
     infohash: str
     files: tuple[TorrentFile, ...]
@@ -39,6 +46,34 @@ class TorrentMeta:
     # Multi-file metadata (`info.files`) keeps its folder `<name>/` even when it lists one file
     # named like the torrent; only single-file metadata (`info.length`) is the file `<name>`.
     multi_file: bool = False
+    layout: tuple[TorrentFile | Padding, ...] = ()
+
+    def pieces_layout(self) -> tuple[TorrentFile | Padding, ...]:
+        """What the pieces hash, in order: the payload's files and the padding between them."""
+        return self.layout or self.files
+
+
+@dataclass(frozen=True)
+class Padding:
+    """A padding file (BEP 47): `size` zero bytes in the piece stream, never on disk."""
+
+    size: int
+
+
+# A padding file is flagged `attr` "p" (BEP 47); BitComet's older ones only by their name, which
+# libtorrent (qBittorrent) also takes for padding.
+LEGACY_PADDING_PREFIX = "_____padding_file_"
+
+
+def _is_padding(entry: Any) -> bool:
+    attr = entry.get("attr", "")
+    if isinstance(attr, bytes | bytearray):
+        attr = bytes(attr).decode("ascii", "replace")
+    path = entry.get("path") or [""]
+    last = path[-1] if isinstance(path, list) else ""
+    if isinstance(last, bytes | bytearray):
+        last = bytes(last).decode("utf-8", "replace")
+    return "p" in str(attr) or str(last).startswith(LEGACY_PADDING_PREFIX)
 
 
 NAME_MAX = 255  # bytes in one file or folder name (Linux filesystems, and most others)
@@ -104,7 +139,19 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
 
     New requests are held to `MAX_TORRENT_BYTES` (settings); a stored torrent, already admitted,
     is parsed again by the kinds under the ceiling only, so lowering the setting strands nothing.
+    Padding files are left out of the payload (`TorrentMeta.layout`;
+    `tests/integration/test_padding_files.py`).
     """
+    return _parse(data, max_bytes)[0]
+
+
+class _Pieces(NamedTuple):
+    length: int
+    hashes: bytes
+
+
+def _parse(data: bytes, max_bytes: int | None) -> tuple[TorrentMeta, _Pieces]:
+    """`parse`, with the piece length and table that `verify_pieces` checks against."""
     if max_bytes is None:
         max_bytes = CEILING_TORRENT_BYTES
     if not isinstance(data, bytes | bytearray) or not data:
@@ -116,18 +163,25 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
         meta_info = t.metainfo["info"]
         name = _text(meta_info["name"])
         multi = "files" in meta_info
+        entries: list[tuple[str, int] | Padding] = []
         if multi:
-            raw = [("/".join(_segment(s) for s in f["path"]), int(f["length"])) for f in meta_info["files"]]
+            for entry in meta_info["files"]:
+                if _is_padding(entry):
+                    entries.append(Padding(int(entry["length"])))
+                else:
+                    entries.append(("/".join(_segment(s) for s in entry["path"]), int(entry["length"])))
         else:
-            raw = [(name, int(meta_info["length"]))]
+            entries.append((name, int(meta_info["length"])))
+        pieces = _Pieces(int(meta_info.get("piece length", 0)), bytes(meta_info.get("pieces", b"")))
         infohash = t.infohash.lower()
     except BadTorrent:
         raise
     except Exception as exc:  # torf raises many kinds of errors for junk
         raise BadTorrent(f"unreadable torrent: {exc}") from exc
     safe_relative(name)
-    files = tuple(TorrentFile(safe_relative(p), size) for p, size in raw)
-    if any(f.size < 0 for f in files):
+    layout = tuple(e if isinstance(e, Padding) else TorrentFile(safe_relative(e[0]), e[1]) for e in entries)
+    files = tuple(e for e in layout if isinstance(e, TorrentFile))
+    if any(e.size < 0 for e in layout):
         raise BadTorrent("negative file size")
     if not files:
         raise BadTorrent("the torrent lists no files")
@@ -139,7 +193,9 @@ def parse(data: bytes, *, max_bytes: int | None = None) -> TorrentMeta:
     folders = {p.rsplit("/", i)[0] for p in paths for i in range(1, p.count("/") + 1)}
     if clash := sorted(paths & folders):
         raise BadTorrent(f"{clash[0]!r} is both a file and a folder in the torrent")
-    return TorrentMeta(name, infohash, files, sum(f.size for f in files), multi_file=multi)
+    padded = layout if len(layout) > len(files) else ()
+    meta = TorrentMeta(name, infohash, files, sum(f.size for f in files), multi_file=multi, layout=padded)
+    return meta, pieces
 
 
 def library_rel(meta: TorrentMeta, f: TorrentFile) -> str:
@@ -162,19 +218,25 @@ class _Placed:
     """A file of the torrent where it lies on disk and where its bytes start in the torrent's
     byte stream (its files one after another, in the metadata's order: what pieces hash)."""
 
-    file: TorrentFile
-    path: Path
+    file: TorrentFile | Padding
+    path: Path | None  # None: padding, zeros on no disk
     offset: int
 
     @property
     def end(self) -> int:
         return self.offset + self.file.size
 
+    def is_file(self, rel_path: str | None = None) -> bool:
+        """A payload file (not padding); with `rel_path`, that one."""
+        return isinstance(self.file, TorrentFile) and (rel_path is None or self.file.rel_path == rel_path)
+
 
 def _placed(meta: TorrentMeta, save_path: Path) -> list[_Placed]:
-    out, offset = [], 0
-    for f in meta.files:
-        out.append(_Placed(f, source_path(meta, save_path, f), offset))
+    out: list[_Placed] = []
+    offset = 0
+    for f in meta.pieces_layout():
+        path = source_path(meta, save_path, f) if isinstance(f, TorrentFile) else None
+        out.append(_Placed(f, path, offset))
         offset += f.size
     return out
 
@@ -183,7 +245,7 @@ def _span(placed: list[_Placed], piece: int, total: int, only: str | None) -> tu
     """The bytes to read: every piece, or the whole pieces that cover the file `only`."""
     if only is None:
         return 0, total
-    p = next((p for p in placed if p.file.rel_path == only), None)
+    p = next((p for p in placed if p.is_file(only)), None)
     if p is None:
         raise BadTorrent(f"no file {only!r} in the torrent")
     if p.file.size == 0:
@@ -192,12 +254,14 @@ def _span(placed: list[_Placed], piece: int, total: int, only: str | None) -> tu
 
 
 def _touches(p: _Placed, start: int, end: int, only: str) -> bool:
-    return (p.offset < end and p.end > start) or p.file.rel_path == only
+    return (p.offset < end and p.end > start) or p.is_file(only)
 
 
 def _check_sizes(files: list[_Placed]) -> None:
     """A file missing or of another size fails before a byte is hashed (torf's wording kept)."""
     for p in files:
+        if p.path is None:
+            continue
         try:
             size = p.path.stat().st_size
         except OSError as exc:
@@ -218,7 +282,7 @@ class _Stream:
 
     def _current(self) -> _Placed | None:
         """The file holding byte `pos`, opened and positioned there (the next one once read)."""
-        if self.fh is not None and self.pos < self.files[self.i].end:
+        if 0 <= self.i < len(self.files) and self.files[self.i].offset <= self.pos < self.files[self.i].end:
             return self.files[self.i]
         self.close()
         self.i += 1
@@ -227,15 +291,22 @@ class _Stream:
         if self.i >= len(self.files):
             return None
         p = self.files[self.i]
-        self.fh = p.path.open("rb", buffering=0)
-        self.fh.seek(self.pos - p.offset)
+        if p.path is not None:
+            self.fh = p.path.open("rb", buffering=0)
+            self.fh.seek(self.pos - p.offset)
         return p
 
     def readinto(self, view: memoryview) -> int:
         got = 0
         while got < len(view) and (p := self._current()) is not None:
+            want = min(len(view) - got, p.end - self.pos)
+            if p.path is None:  # padding: zeros, read from no file
+                view[got : got + want] = bytes(want)
+                got += want
+                self.pos += want
+                continue
             assert self.fh is not None
-            n = self.fh.readinto(view[got : got + min(len(view) - got, p.end - self.pos)]) or 0
+            n = self.fh.readinto(view[got : got + want]) or 0
             if n == 0:  # shrank since its size was checked
                 raise BadTorrent(f"payload does not match the torrent: {p.path} ended early")
             got += n
@@ -276,7 +347,11 @@ class _Digests:
             i += 1
 
     def hexdigests(self) -> dict[str, str]:
-        return {p.file.rel_path: h.hexdigest() for p, h in zip(self.files, self.sums, strict=True)}
+        return {
+            p.file.rel_path: h.hexdigest()
+            for p, h in zip(self.files, self.sums, strict=True)
+            if isinstance(p.file, TorrentFile)
+        }
 
 
 def verify_pieces(data: bytes, save_path: Path, *, only: str | None = None) -> dict[str, str]:
@@ -294,17 +369,15 @@ def verify_pieces(data: bytes, save_path: Path, *, only: str | None = None) -> d
     vCPU (AMD EPYC, SHA extensions) 1 GiB took 0.77 s cached and 1.00 s dropped from the page
     cache, torf 0.33 s and 0.38 s; a disk slower than the hashes (about 2 GB/s each) hides it.
     """
-    t = torf.Torrent.read_stream(io.BytesIO(bytes(data)))
-    meta = parse(data)
-    info = t.metainfo["info"]
-    piece, hashes = int(info["piece length"]), bytes(info["pieces"])
-    if piece <= 0 or len(hashes) != -(-meta.total_size // piece) * SHA1_LEN:
-        raise BadTorrent("payload does not match the torrent: its piece table does not fit its files")
+    meta, (piece, hashes) = _parse(data, None)
     placed = _placed(meta, save_path)
-    start, end = _span(placed, piece, meta.total_size, only)
+    total = placed[-1].end if placed else 0
+    if piece <= 0 or len(hashes) != -(-total // piece) * SHA1_LEN:
+        raise BadTorrent("payload does not match the torrent: its piece table does not fit its files")
+    start, end = _span(placed, piece, total, only)
     touched = placed if only is None else [p for p in placed if _touches(p, start, end, only)]
     _check_sizes(touched)
-    digests = _Digests([p for p in touched if start <= p.offset and p.end <= end])
+    digests = _Digests([p for p in touched if p.is_file() and start <= p.offset and p.end <= end])
     _hash_span(_Stream(touched, start), start, end, piece, hashes, digests)
     return digests.hexdigests()
 

@@ -1,0 +1,81 @@
+"""Padding files (BEP 47): zeros that the pieces hash but that lie on no disk.
+
+libtorrent writes no padding file, and a hybrid v1/v2 torrent has one after nearly every file.
+Before, they were payload like any file: the piece check failed on the first one ("payload
+does not match the torrent: …/.pad/…: No such file or directory") and every import of such a
+torrent spent its attempts and became a dead letter. A real qBittorrent downloading one, through
+the whole pipeline: `tests/integration/test_padding_files.py`."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from proj.acquisition.torrents import BadTorrent, Padding, parse, verify_pieces
+from tests.support.torrents import padded
+
+PIECE = 16384
+SIZES = {"a.bin": 20_000, "sub/b.bin": 5_000, "z.bin": 40_000}
+
+
+def payload(tmp_path: Path) -> Path:
+    root = tmp_path / "Show"
+    for i, (rel, size) in enumerate(SIZES.items()):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(bytes([i + 1]) * 7 + hashlib.sha256(rel.encode()).digest() * (size // 32))
+        with (root / rel).open("ab") as fh:
+            fh.truncate(size)
+    return root
+
+
+def sha256s(root: Path) -> dict[str, str]:
+    return {rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() for rel in SIZES}
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["attr-p", "bitcomet-name"])
+@pytest.mark.parametrize("trailing", [False, True], ids=["between", "trailing-too"])
+def test_padding_is_no_payload_and_its_pieces_check_without_it_on_disk(
+    tmp_path: Path, legacy: bool, trailing: bool
+) -> None:
+    root = payload(tmp_path)
+    torrent, infohash = padded(root, PIECE, legacy=legacy, trailing=trailing)
+
+    meta = parse(torrent)
+    assert meta.infohash == infohash
+    assert [f.rel_path for f in meta.files] == list(SIZES)
+    assert meta.total_size == sum(SIZES.values())
+    pads = [e for e in meta.pieces_layout() if isinstance(e, Padding)]
+    assert len(pads) == (3 if trailing else 2) and all(0 < p.size < PIECE for p in pads)
+
+    assert verify_pieces(torrent, tmp_path) == sha256s(root)
+    assert not (root / ".pad").exists()
+    for rel in SIZES:  # one file's pieces, padding on either side
+        assert verify_pieces(torrent, tmp_path, only=rel) == {rel: sha256s(root)[rel]}
+
+
+def test_a_flipped_byte_next_to_padding_is_still_caught(tmp_path: Path) -> None:
+    root = payload(tmp_path)
+    torrent, _ = padded(root, PIECE)
+    target = root / "sub/b.bin"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF  # the last byte before b's padding
+    target.write_bytes(bytes(data))
+    with pytest.raises(BadTorrent, match="piece hashes"):
+        verify_pieces(torrent, tmp_path)
+    with pytest.raises(BadTorrent, match="piece hashes"):
+        verify_pieces(torrent, tmp_path, only="sub/b.bin")
+    assert verify_pieces(torrent, tmp_path, only="z.bin") == {"z.bin": sha256s(root)["z.bin"]}
+
+
+def test_an_entry_not_flagged_as_padding_is_payload(tmp_path: Path) -> None:
+    """The flag decides, not the name `.pad/…`: the same entry without `attr` "p" is a payload
+    file, looked for on disk and copied like any other."""
+    root = payload(tmp_path)
+    torrent, _ = padded(root, PIECE)
+    plain = torrent.replace(b"4:attr1:p", b"4:attr1:x")
+    assert plain != torrent
+    assert ".pad/12768" in [f.rel_path for f in parse(plain).files]
+    with pytest.raises(BadTorrent, match="payload does not match.*No such file"):
+        verify_pieces(plain, tmp_path)
