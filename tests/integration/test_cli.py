@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -94,8 +95,10 @@ def test_doctor_warns_that_acquires_fail_without_qbt_url() -> None:
 
 
 def test_doctor_warns_of_a_library_root_that_is_not_there(tmp_path) -> None:  # noqa: ANN001
-    """An unmounted library disk: imports wait for it, and the doctor says where to look."""
-    r = proj_subprocess("doctor", env={"LIBRARY_ROOT": str(tmp_path / "nas" / "library")})
+    """An unmounted library disk: imports wait for it, and the doctor says where to look. The
+    missing root's path is short: a long one (pytest's own) wrapped the detail in the table."""
+    missing = Path("/tmp") / f"nolib-{uuid.uuid4().hex[:8]}" / "library"
+    r = proj_subprocess("doctor", env={"LIBRARY_ROOT": str(missing)})
     out = r.stdout + r.stderr
     assert "library           │ WARN" in out and "imports wait for it" in out, out
     r = proj_subprocess("doctor", env={"LIBRARY_ROOT": str(tmp_path)})
