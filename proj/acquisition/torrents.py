@@ -161,6 +161,11 @@ def _parse(data: bytes, max_bytes: int | None) -> tuple[TorrentMeta, _Pieces]:
     try:
         t = torf.Torrent.read_stream(io.BytesIO(bytes(data)), validate=False)
         meta_info = t.metainfo["info"]
+        if "pieces" not in meta_info and "file tree" in meta_info:
+            raise BadTorrent(
+                "a BitTorrent v2-only torrent: it has no v1 piece table, which the import checks; "
+                "v1 and hybrid (v1 + v2) torrents are accepted"
+            )
         name = _text(meta_info["name"])
         multi = "files" in meta_info
         entries: list[tuple[str, int] | Padding] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from proj.acquisition.torrents import BadTorrent, Padding, parse, verify_pieces
-from tests.support.torrents import padded
+from tests.support.torrents import bencode, padded
 
 PIECE = 16384
 SIZES = {"a.bin": 20_000, "sub/b.bin": 5_000, "z.bin": 40_000}
@@ -79,3 +79,13 @@ def test_an_entry_not_flagged_as_padding_is_payload(tmp_path: Path) -> None:
     assert ".pad/12768" in [f.rel_path for f in parse(plain).files]
     with pytest.raises(BadTorrent, match="payload does not match.*No such file"):
         verify_pieces(plain, tmp_path)
+
+
+def test_a_v2_only_torrent_is_refused_saying_what_is_accepted() -> None:
+    """A v2-only torrent (BEP 52: a `file tree`, no v1 `pieces`) was refused as "unreadable
+    torrent: 'length'"; now the refusal says what it is and what is accepted (a hybrid one,
+    padding and all, is: above)."""
+    leaf = {"": {"length": 10, "pieces root": b"x" * 32}}
+    info = {"name": "show", "piece length": 16384, "meta version": 2, "file tree": {"a.bin": leaf}}
+    with pytest.raises(BadTorrent, match="v2-only torrent.*hybrid"):
+        parse(bencode({"info": info, "piece layers": {}}))
