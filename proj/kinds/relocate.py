@@ -13,6 +13,7 @@ compensation (`give_up`, run by `compensate`). Proof: `tests/integration/test_li
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -170,6 +171,30 @@ SWITCH_ROOT = text(
     """
 )
 
+# A `give_up` about to remove a copy its run recorded no file for (an attempt cut off after its
+# rename) first names that file (device and inode), committed before it sets the file aside: a
+# `give_up` killed with the file set aside left it there for good (the next one saw nothing at
+# the path), and now the next one finds it by that name and removes it
+# (`tests/integration/test_library_leftovers.py::
+# test_giving_up_again_removes_an_unrecorded_copy_a_killed_give_up_set_aside`).
+RECORD_GIVE_UP_TARGET = text(
+    """
+    INSERT INTO acq.flag (kind, subject, detail, at)
+    VALUES ('relocate_give_up_target', :op_key, CAST(:detail AS jsonb), now())
+    ON CONFLICT (kind, subject) DO UPDATE SET detail = excluded.detail, at = excluded.at
+    """
+)
+GIVE_UP_TARGET = text(
+    """
+    SELECT detail FROM acq.flag WHERE kind = 'relocate_give_up_target' AND subject = :op_key
+    """
+)
+FORGET_GIVE_UP_TARGET = text(
+    """
+    DELETE FROM acq.flag WHERE kind = 'relocate_give_up_target' AND subject = :op_key
+    """
+)
+
 # A later relocate of the item that planned a copy to the same path: that file may be its own.
 LATER_COPY_TO = text(
     """
@@ -308,7 +333,7 @@ def give_up(run_id: uuid.UUID, inp: Mapping[str, Any]) -> dict[str, Any]:
         if row is not None:
             keep.add(library_path(row.download_task_id, row.rel_path, Path(row.root)))
         result = op.result if isinstance(op.result, dict) else None
-        settled = _settle_own_aside(result, dst)
+        settled = _settle_own_aside(result, dst) or _settle_unrecorded_aside(s, op_key, dst)
         if not dst.exists():
             copy = "removed" if settled else "absent"
         elif result is not None:
@@ -316,8 +341,26 @@ def give_up(run_id: uuid.UUID, inp: Mapping[str, Any]) -> dict[str, Any]:
         elif dst in keep or _later_copy_to(s, item_id, op_key, dst, op.created_at):
             copy = "kept"
         else:  # whichever file is there now, removed as one: a rename landing meanwhile stays
-            copy = "removed" if library.remove_if_same_file(dst, **library.file_id(dst)) else "kept"
+            copy = _remove_unrecorded_copy(op_key, dst)
+        s.execute(FORGET_GIVE_UP_TARGET, {"op_key": op_key})
     return {"copy": copy, "path": str(dst), "temp_files": temps}
+
+
+def _remove_unrecorded_copy(op_key: str, dst: Path) -> str:
+    """Remove the file at `dst` as one, having named it first (`RECORD_GIVE_UP_TARGET`)."""
+    target = library.file_id(dst)
+    with db.transaction() as s:  # committed before the file is set aside
+        s.execute(RECORD_GIVE_UP_TARGET, {"op_key": op_key, "detail": json.dumps(target)})
+    return "removed" if library.remove_if_same_file(dst, **target) else "kept"
+
+
+def _settle_unrecorded_aside(s: Session, op_key: str, dst: Path) -> bool:
+    """Settle what a killed `_remove_unrecorded_copy` left set aside: removed (it was the file
+    it meant to remove)."""
+    named = s.scalar(GIVE_UP_TARGET, {"op_key": op_key})
+    if not named:
+        return False
+    return library.settle_aside(dst, int(named["dev"]), int(named["ino"]))
 
 
 def _settle_own_aside(result: Mapping[str, Any] | None, dst: Path) -> bool:

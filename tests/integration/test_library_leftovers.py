@@ -194,6 +194,50 @@ def test_giving_up_a_relocate_again_puts_back_a_library_file_a_killed_give_up_se
     assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, gone.name])
 
 
+def test_giving_up_again_removes_an_unrecorded_copy_a_killed_give_up_set_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy attempt cut off after its rename records no file; `give_up` then removes whatever
+    file is at the path, set aside first. Killed with it set aside, the next `give_up` saw
+    nothing at the path, answered "absent" and left the copy under its aside name for good.
+    Now the file is named (committed) before it is set aside, and the next one removes it."""
+    a, b = tmp_path / "lib-a", tmp_path / "lib-b"
+    item_id, task_id, _ = library_item(a, size=4096)
+    target = b / str(task_id) / REL
+    target.parent.mkdir(parents=True)
+    ours = uuid.uuid4()
+    sql(
+        """
+        INSERT INTO ledger.asset_operation
+               (op_key, run_id, step, effect_kind, plan, status, attempts, attempt_token, attempt_started_at)
+        VALUES (%s, %s, 'copy', 'file', %s, 'attempting', 1, %s, now())
+        """,
+        (
+            f"relocate:{item_id}:{ours}",
+            ours,
+            Jsonb({"src": str(a / str(task_id) / REL), "dst": str(target)}),
+            uuid.uuid4(),
+        ),
+    )
+    target.write_bytes(b"the copy the cut-off attempt renamed into place")
+    inp = {"library_item_id": item_id, "new_root": str(b)}
+
+    def killed_once_aside(path: Path, dev: int, ino: int) -> bool:
+        path.rename(library.aside_path(path, dev, ino))
+        raise KeyboardInterrupt("killed with the file set aside")
+
+    with monkeypatch.context() as m:
+        m.setattr(library, "remove_if_same_file", killed_once_aside)
+        with pytest.raises(KeyboardInterrupt):
+            relocate_kind.give_up(ours, inp)
+    assert not target.exists() and len(list(target.parent.iterdir())) == 1  # only the aside file
+
+    assert relocate_kind.give_up(ours, inp)["copy"] == "removed"
+    assert list(target.parent.iterdir()) == []
+    assert scalar("SELECT count(*) FROM acq.flag WHERE kind = 'relocate_give_up_target'") == 0
+    assert relocate_kind.give_up(ours, inp)["copy"] == "absent"
+
+
 # --------------------------------------------------------- a relocate meeting a repair of its item
 
 
