@@ -374,35 +374,18 @@ def scripted(ctx: StepContext) -> str:
     return f"done after {n}"
 
 
+def _scripted_kind(name: str, retry: RetryPolicy) -> Kind:
+    """One `scripted` step under `retry`."""
+    return register(
+        Kind(name=name, version=1, retry=retry, input_model=OutageInput, canvas=(step("call", scripted),))
+    )
+
+
 # Two attempts, and an outage may last an hour without spending them (`outage_s`).
-OUTAGE = register(
-    Kind(
-        name="outage",
-        version=1,
-        retry=RetryPolicy(max_attempts=2, initial_s=0.05, max_s=0.1, outage_s=3600.0),
-        input_model=OutageInput,
-        canvas=(step("call", scripted),),
-    )
-)
-
+OUTAGE = _scripted_kind("outage", RetryPolicy(max_attempts=2, initial_s=0.05, max_s=0.1, outage_s=3600.0))
 # The step under a backoff long enough to tell its start (1 s) from its cap (10 min).
-OUTAGE_LONG = register(
-    Kind(
-        name="outage_long",
-        version=1,
-        retry=RetryPolicy(max_attempts=2, initial_s=1.0, max_s=600.0, outage_s=3600.0),
-        input_model=OutageInput,
-        canvas=(step("call", scripted),),
-    )
+OUTAGE_LONG = _scripted_kind(
+    "outage_long", RetryPolicy(max_attempts=2, initial_s=1.0, max_s=600.0, outage_s=3600.0)
 )
-
 # The same step under a policy with no outage window: an `Unavailable` counts like any error.
-OUTAGE_COUNTED = register(
-    Kind(
-        name="outage_counted",
-        version=1,
-        retry=RetryPolicy(max_attempts=2, initial_s=0.05, max_s=0.1),
-        input_model=OutageInput,
-        canvas=(step("call", scripted),),
-    )
-)
+OUTAGE_COUNTED = _scripted_kind("outage_counted", RetryPolicy(max_attempts=2, initial_s=0.05, max_s=0.1))
