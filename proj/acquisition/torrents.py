@@ -65,15 +65,27 @@ class Padding:
 LEGACY_PADDING_PREFIX = "_____padding_file_"
 
 
-def _is_padding(entry: Any) -> bool:
+def _attr(entry: Any) -> str:
+    """A file entry's BEP 47 attributes ("p" padding, "l" symlink, "x" executable, "h" hidden)."""
     attr = entry.get("attr", "")
-    if isinstance(attr, bytes | bytearray):
-        attr = bytes(attr).decode("ascii", "replace")
+    return bytes(attr).decode("ascii", "replace") if isinstance(attr, bytes | bytearray) else str(attr)
+
+
+def _is_padding(entry: Any) -> bool:
     path = entry.get("path") or [""]
     last = path[-1] if isinstance(path, list) else ""
     if isinstance(last, bytes | bytearray):
         last = bytes(last).decode("utf-8", "replace")
-    return "p" in str(attr) or str(last).startswith(LEGACY_PADDING_PREFIX)
+    return "p" in _attr(entry) or str(last).startswith(LEGACY_PADDING_PREFIX)
+
+
+def _refuse_symlink(entry: Any, path: str) -> None:
+    """A symbolic link entry (BEP 47 "l"): libtorrent makes it a link on disk, pointing anywhere
+    its `symlink path` says; the piece check would read through it and the copy would put the
+    target's bytes in the library. Refused at the door, saying so
+    (`tests/unit/test_padding_files.py::test_a_torrent_holding_a_symlink_is_refused_at_the_door`)."""
+    if "l" in _attr(entry):
+        raise BadTorrent(f"the torrent holds a symbolic link ({path}): such torrents are not imported")
 
 
 NAME_MAX = 255  # bytes in one file or folder name (Linux filesystems, and most others)
@@ -174,8 +186,11 @@ def _parse(data: bytes, max_bytes: int | None) -> tuple[TorrentMeta, _Pieces]:
                 if _is_padding(entry):
                     entries.append(Padding(int(entry["length"])))
                 else:
-                    entries.append(("/".join(_segment(s) for s in entry["path"]), int(entry["length"])))
+                    path = "/".join(_segment(s) for s in entry["path"])
+                    _refuse_symlink(entry, path)
+                    entries.append((path, int(entry["length"])))
         else:
+            _refuse_symlink(meta_info, name)
             entries.append((name, int(meta_info["length"])))
         pieces = _Pieces(int(meta_info.get("piece length", 0)), bytes(meta_info.get("pieces", b"")))
         infohash = t.infohash.lower()

@@ -1,4 +1,6 @@
-"""Padding files (BEP 47): zeros that the pieces hash but that lie on no disk.
+"""Padding files (BEP 47): zeros that the pieces hash but that lie on no disk. Beside them, the
+entries of newer torrents the import cannot take are refused saying so: a symbolic link (BEP 47)
+and a v2-only torrent (BEP 52).
 
 libtorrent writes no padding file, and a hybrid v1/v2 torrent has one after nearly every file.
 Before, they were payload like any file: the piece check failed on the first one ("payload
@@ -89,3 +91,18 @@ def test_a_v2_only_torrent_is_refused_saying_what_is_accepted() -> None:
     info = {"name": "show", "piece length": 16384, "meta version": 2, "file tree": {"a.bin": leaf}}
     with pytest.raises(BadTorrent, match="v2-only torrent.*hybrid"):
         parse(bencode({"info": info, "piece layers": {}}))
+
+
+@pytest.mark.parametrize("multi", [True, False], ids=["multi-file", "single-file"])
+def test_a_torrent_holding_a_symlink_is_refused_at_the_door(multi: bool) -> None:
+    """BEP 47's "l" entry becomes a link on disk (libtorrent makes it) to wherever its `symlink
+    path` says. Before, it passed as a file of length 0: the piece check read through the link,
+    and the request became a dead letter (or the copy put the target's bytes in the library)."""
+    link = {"length": 0, "attr": "l", "symlink path": ["..", "..", "etc", "passwd"]}
+    if multi:
+        info = {"name": "show", "piece length": 16384, "pieces": b"\x00" * 20}
+        info["files"] = [{"length": 10, "path": ["a.bin"]}, {**link, "path": ["evil"]}]
+    else:
+        info = {"name": "evil", "piece length": 16384, "pieces": b"", **link}
+    with pytest.raises(BadTorrent, match="symbolic link"):
+        parse(bencode({"info": info}))
