@@ -87,9 +87,9 @@ def swarm(
     qbt_payload: QbtPayload,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Swarm:
-    """Seeder ready; managed client whose on-finish hook runs `proj signal download:%I`."""
+    """Seeder ready; managed client whose on-finish hook runs `proj signal download:%K`."""
     base = tmp_path_factory.mktemp("acq")
-    hook = f'sh -c "{VENV_BIN / "proj"} signal download:%I >> {base / "hook.log"} 2>&1"'
+    hook = f'sh -c "{VENV_BIN / "proj"} signal download:%K >> {base / "hook.log"} 2>&1"'
     return make_swarm(qbt_factory, qbt_payload, base, hook)
 
 
@@ -97,7 +97,7 @@ def curl_hook(url: str, token: str, log: Path) -> str:
     """qBittorrent's on-finish program in its cross-container form: the HTTP hook, by curl."""
     return (
         f"sh -c \"curl -fsS -X POST -H 'Authorization: Bearer {token}' "
-        f"'{url}/api/hooks/qbittorrent?hash=%I' >> {log} 2>&1\""
+        f"'{url}/api/hooks/qbittorrent?hash=%K' >> {log} 2>&1\""
     )
 
 

@@ -126,9 +126,10 @@ def qbt_seeder(qbt_factory: Callable[..., LocalQbittorrent]) -> LocalQbittorrent
 def qbt_managed(
     qbt_factory: Callable[..., LocalQbittorrent], tmp_path_factory: pytest.TempPathFactory
 ) -> LocalQbittorrent:
-    """The 'managed' downloader; its on-finished hook appends %I to profile_dir/finished.txt."""
+    """The 'managed' downloader; its on-finished hook appends %K (the torrent id) to
+    profile_dir/finished.txt."""
     profile = tmp_path_factory.mktemp("qbt-managed")
-    hook = f'sh -c "echo %I >> {profile / FINISHED_FILE}"'
+    hook = f'sh -c "echo %K >> {profile / FINISHED_FILE}"'
     return qbt_factory("managed", profile_dir=profile, on_finished=hook)
 
 

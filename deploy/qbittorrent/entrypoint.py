@@ -3,7 +3,7 @@
 The config is written by the same code the tests and the demo use (`proj/qbt/local.py`, stdlib
 only, copied into the image as `qbt_local.py`), with the container's differences on top: the Web
 UI on every interface at 8080 behind a username and password (`QBT_USERNAME`, `QBT_PASSWORD`),
-peers on 6881, the save path `/downloads`, and the on-finish hook `on-finished %I`, which POSTs
+peers on 6881, the save path `/downloads`, and the on-finish hook `on-finished %K`, which POSTs
 to the engine's `/api/hooks/qbittorrent` with `HOOK_TOKEN` (`PROJ_HOOK_URL` says where).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from qbt_local import LocalQbittorrent, supports_confirm_legal_notice
 
 PROFILE = Path(os.environ.get("QBT_PROFILE", "/config"))
-HOOK = 'sh -c "/usr/local/bin/on-finished %I >> /config/hook.log 2>&1"'
+HOOK = 'sh -c "/usr/local/bin/on-finished %K >> /config/hook.log 2>&1"'
 
 
 def main() -> None:

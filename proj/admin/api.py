@@ -377,14 +377,17 @@ def api_router(settings: Settings, engine: TaskEngine) -> APIRouter:
         response_model=HookOut,
         dependencies=need_hook,
         responses=answers(400),
-        summary="qBittorrent's on-finish hook (Run external program: curl … ?hash=%I)",
+        summary="qBittorrent's on-finish hook (Run external program: curl … ?hash=%K)",
     )
     def qbittorrent_finished(
-        hash: Annotated[str, Query(description="the torrent's infohash (%I)")],  # noqa: A002
+        hash: Annotated[  # noqa: A002
+            str, Query(description="the torrent's id (%K); a v2 infohash (%J) is cut to it")
+        ],
     ) -> Any:
         if not INFOHASH.match(hash):
             return error(400, "hash must be a 40- or 64-hex-digit infohash", "BadInput")
-        topic = service.download_topic(hash.lower())
+        # qBittorrent names a hybrid torrent by its v2 infohash cut to 40 digits (`torrents.torrent_id`).
+        topic = service.download_topic(hash.lower()[:40])
         try:
             woken = engine.signal(topic, {"source": "qbittorrent hook"})
         except BadTopic as exc:

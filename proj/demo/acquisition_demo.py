@@ -1,7 +1,7 @@
 """`proj demo`: walk one download request from approval to library file, showing its timeline.
 
 A loopback swarm in a throwaway directory (a seeding qbittorrent-nox holding a few MiB of random
-data, and the managed one our kinds drive, whose on-finish hook is `proj signal download:%I`), a
+data, and the managed one our kinds drive, whose on-finish hook is `proj signal download:%K`), a
 local webhook receiver and an in-process worker and beat. It requests the torrent, approves it a
 second later and follows the business timeline (`acq.task_event`, `acq.download_task.progress`,
 copy progress from the copy steps) until the requester is notified, then checks the library's
@@ -116,7 +116,7 @@ def sha256_tree(root: Path) -> dict[str, str]:
 
 
 def hook_command(log: Path) -> str:
-    """qBittorrent's on-finish program: `<venv>/proj signal download:%I`, output kept in `log`.
+    """qBittorrent's on-finish program: `<venv>/proj signal download:%K`, output kept in `log`.
 
     qBittorrent splits the line on spaces (double quotes group; no shell), so `sh -c` adds the
     redirection. The hook inherits qbittorrent-nox's environment: DATABASE_URL and BROKER_URL
@@ -124,7 +124,7 @@ def hook_command(log: Path) -> str:
     """
     script = Path(sys.executable).parent / "proj"
     prog = [str(script)] if script.exists() else [sys.executable, "-m", "proj.cli"]
-    cmd = " ".join(shlex.quote(a) for a in [*prog, "signal", "download:%I"])
+    cmd = " ".join(shlex.quote(a) for a in [*prog, "signal", "download:%K"])
     return f'sh -c "{cmd} >> {shlex.quote(str(log))} 2>&1"'
 
 
@@ -461,7 +461,7 @@ def run_acquisition_demo(*, serve: bool = False) -> int:
             f"swarm:    seeder ({len(PAYLOAD_FILES)} files, {swarm.size} bytes, "
             f"≤{SEED_RATE >> 20} MiB/s) "
             f"and managed qBittorrent {swarm.managed.webui_url}, on-finish hook `proj signal "
-            f"download:%I` (up in {time.monotonic() - t:.1f} s)",
+            f"download:%K` (up in {time.monotonic() - t:.1f} s)",
             soft_wrap=True,
         )
         console.print(Text(f"work dir: {servers.work}"), soft_wrap=True)

@@ -64,7 +64,7 @@ def howto(door: FrontDoor | None) -> Text:
         f'  curl -sS -H "Authorization: Bearer {token}" {url}/api/requests/ID',
         "",
         "qBittorrent's on-finish hook, from its own host or container:",
-        f'  curl -fsS -X POST -H "Authorization: Bearer {hook_token}" "{url}/api/hooks/qbittorrent?hash=%I"',
+        f'  curl -fsS -X POST -H "Authorization: Bearer {hook_token}" "{url}/api/hooks/qbittorrent?hash=%K"',
     ]
     if not door:
         lines += ["", "`proj demo --serve` keeps this demo's stack up and prints these with real values."]

@@ -211,8 +211,8 @@ class LocalQbittorrent:
 
     Ports default to free ones picked at start. `on_finished` is qBittorrent's "run external
     program on torrent finished" command line; it is split on spaces with double quotes grouping
-    (no shell), and `%I` (v1 infohash), `%N` (name), `%F` (content path), `%G` (tags) ... are
-    substituted. Use `sh -c "..."` (double quotes) for shell syntax.
+    (no shell), and `%K` (the torrent id the API names it by), `%I` (v1 infohash), `%N` (name),
+    `%F` (content path), `%G` (tags) ... are substituted. Use `sh -c "..."` (double quotes) for shell syntax.
     """
 
     def __init__(

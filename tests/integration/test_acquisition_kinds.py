@@ -176,7 +176,7 @@ def make_swarm(
     )
     wait_seeding(seeder.client(), payload.infohash)
     on_finished = (
-        f'sh -c "{VENV_BIN / "proj"} signal download:%I >> {base / "hook.log"} 2>&1"' if hook else None
+        f'sh -c "{VENV_BIN / "proj"} signal download:%K >> {base / "hook.log"} 2>&1"' if hook else None
     )
     managed = qbt_factory("managed", on_finished=on_finished, extra_config=LENIENT)
     (base / "library").mkdir()

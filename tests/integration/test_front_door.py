@@ -278,8 +278,12 @@ def test_qbittorrent_hook_stores_the_signal(api: TestClient) -> None:
     assert r.json() == {"topic": f"download:{INFOHASH}", "woken": 0}
     # Stored even with no waiter yet: an early signal is not lost (invariant 7).
     assert scalar("SELECT count(*) FROM engine.task_signal WHERE topic = %s", (f"download:{INFOHASH}",)) == 1
+    # A v2 infohash (%J) names the same torrent as its first 40 digits, qBittorrent's id (%K).
+    v2 = "cd" * 32
+    r = api.post("/api/hooks/qbittorrent", params={"hash": v2}, headers=hook)
+    assert r.status_code == 200 and r.json()["topic"] == f"download:{v2[:40]}", r.text
     before = written()
-    for bad in ("xyz", "ab" * 19, "%I", "ab" * 20 + "; rm -rf /"):
+    for bad in ("xyz", "ab" * 19, "%K", "%I", "ab" * 20 + "; rm -rf /"):
         r = api.post("/api/hooks/qbittorrent", params={"hash": bad}, headers=hook)
         assert r.status_code == 400 and "infohash" in r.json()["detail"], bad
     assert api.post("/api/hooks/qbittorrent", headers=hook).status_code == 422

@@ -24,8 +24,8 @@ worker exits and Redis restarts, and the test fails unless no worker exited. At 
 outside world is checked, not the engine's word: the library on disk, `acq.library_item`, the
 ledger, qBittorrent's torrent list, every run, the outbox and the webhook receiver.
 
-qBittorrent's on-finish hook appends `%I` to a file and a relay thread here calls the engine's
-`signal` for each line (the production hook is `proj signal download:%I`, covered by
+qBittorrent's on-finish hook appends `%K` to a file and a relay thread here calls the engine's
+`signal` for each line (the production hook is `proj signal download:%K`, covered by
 `tests/integration/test_acquisition_e2e.py`; 200 Python start-ups would starve a small CI machine).
 """
 
@@ -152,7 +152,7 @@ def soak_swarm(
     )
     finished_log = base / "finished.txt"
     lenient = {"Preferences": {"WebUI/HostHeaderValidation": False, "WebUI/CSRFProtection": False}}
-    managed = qbt_factory("managed", on_finished=f'sh -c "echo %I >> {finished_log}"', extra_config=lenient)
+    managed = qbt_factory("managed", on_finished=f'sh -c "echo %K >> {finished_log}"', extra_config=lenient)
     managed.client().app_set_preferences(UNLIMITED)
     (base / "library").mkdir()
     (base / "downloads").mkdir()

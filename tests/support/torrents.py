@@ -54,3 +54,60 @@ def padded(root: Path, piece: int, *, legacy: bool = False, trailing: bool = Fal
     pieces = b"".join(hashlib.sha1(stream[o : o + piece]).digest() for o in range(0, len(stream), piece))
     info = {"name": root.name, "piece length": piece, "pieces": pieces, "files": files}
     return bencode({"info": info}), hashlib.sha1(bencode(info)).hexdigest()
+
+
+BLOCK = 16 * 1024  # BEP 52: the leaves of a file's merkle tree hash 16 KiB blocks
+
+
+def _merkle_layers(data: bytes) -> list[list[bytes]]:
+    """A file's SHA-256 merkle tree (BEP 52), leaves first: one leaf per 16 KiB block, the leaf
+    count padded to a power of two with zero hashes."""
+    leaves = [hashlib.sha256(data[o : o + BLOCK]).digest() for o in range(0, len(data), BLOCK)]
+    width = 1 << max(0, (len(leaves) - 1).bit_length())
+    layers = [leaves + [bytes(32)] * (width - len(leaves))]
+    while len(layers[-1]) > 1:
+        below = layers[-1]
+        layers.append([hashlib.sha256(below[i] + below[i + 1]).digest() for i in range(0, len(below), 2)])
+    return layers
+
+
+def hybrid(root: Path, piece: int) -> tuple[bytes, str, str]:
+    """A hybrid v1/v2 torrent (BEP 52 with BEP 47 padding) of the files under `root`, laid out as
+    libtorrent lays one out: the v2 `file tree` and `piece layers`, and a v1 `files` list in the
+    same (sorted) order with a padding file after every file that does not end on a piece
+    boundary. Returns the metainfo, the v1 infohash and the torrent id qBittorrent names it by
+    (the v2 infohash cut to 20 bytes)."""
+    assert piece >= BLOCK and piece & (piece - 1) == 0, "BEP 52: a power of two, at least 16 KiB"
+    tree: dict[str, object] = {}
+    layers: dict[bytes, bytes] = {}
+    files: list[dict[str, object]] = []
+    stream = bytearray()
+    for path in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).parts):
+        data = path.read_bytes()
+        parts = list(path.relative_to(root).parts)
+        merkle = _merkle_layers(data)
+        node = tree
+        for part in parts:
+            node = node.setdefault(part, {})  # type: ignore[assignment]
+        node[""] = {"length": len(data), "pieces root": merkle[-1][0]}
+        if len(data) > piece:  # one hash per piece, from the layer whose nodes span a piece
+            per_piece = merkle[(piece // BLOCK).bit_length() - 1]
+            layers[merkle[-1][0]] = b"".join(per_piece[: -(-len(data) // piece)])
+        files.append({"length": len(data), "path": parts})
+        stream += data
+        gap = -len(stream) % piece
+        if gap:
+            files.append({"length": gap, "path": [".pad", str(gap)], "attr": "p"})
+            stream += bytes(gap)
+    pieces = b"".join(hashlib.sha1(stream[o : o + piece]).digest() for o in range(0, len(stream), piece))
+    info = {
+        "name": root.name,
+        "piece length": piece,
+        "meta version": 2,
+        "file tree": tree,
+        "files": files,
+        "pieces": pieces,
+    }
+    encoded = bencode(info)
+    metainfo = bencode({"info": info, "piece layers": layers})
+    return metainfo, hashlib.sha1(encoded).hexdigest(), hashlib.sha256(encoded).hexdigest()[:40]

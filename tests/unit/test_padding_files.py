@@ -11,12 +11,14 @@ the whole pipeline: `tests/integration/test_padding_files.py`."""
 from __future__ import annotations
 
 import hashlib
+import io
 from pathlib import Path
 
 import pytest
+import torf
 
 from proj.acquisition.torrents import BadTorrent, Padding, parse, verify_pieces
-from tests.support.torrents import bencode, padded
+from tests.support.torrents import bencode, hybrid, padded
 
 PIECE = 16384
 SIZES = {"a.bin": 20_000, "sub/b.bin": 5_000, "z.bin": 40_000}
@@ -106,3 +108,29 @@ def test_a_torrent_holding_a_symlink_is_refused_at_the_door(multi: bool) -> None
         info = {"name": "evil", "piece length": 16384, "pieces": b"", **link}
     with pytest.raises(BadTorrent, match="symbolic link"):
         parse(bencode({"info": info}))
+
+
+def test_a_hybrid_torrent_is_named_by_its_v2_infohash_cut_to_40_digits(tmp_path: Path) -> None:
+    """qBittorrent lists a hybrid torrent under its v2 infohash cut to 20 bytes, and a lookup by
+    the v1 infohash finds nothing: the request must know it by the former (the v1 one it had
+    before never got past adding the torrent). Its payload and pieces are the v1 view's."""
+    root = payload(tmp_path)
+    torrent, v1, listed_as = hybrid(root, PIECE)
+    meta = parse(torrent)
+    assert meta.infohash == listed_as != v1
+    assert [f.rel_path for f in meta.files] == sorted(SIZES)
+    assert verify_pieces(torrent, tmp_path) == sha256s(root)
+
+
+def test_a_v1_torrent_is_named_by_the_sha1_of_its_info_bytes_as_they_stand(tmp_path: Path) -> None:
+    """libtorrent hashes the `info` dictionary's bytes as the file holds them. A torrent whose
+    `info` keys are not in bencoding's sorted order is still read; hashing it encoded again (as
+    torf's `infohash` does) would name a torrent qBittorrent does not know."""
+    root = payload(tmp_path)
+    torrent, infohash = padded(root, PIECE)
+    assert parse(torrent).infohash == infohash == hashlib.sha1(torrent[len(b"d4:info") : -1]).hexdigest()
+    info = torf.Torrent.read_stream(io.BytesIO(torrent), validate=False).metainfo["info"]
+    backwards = b"d" + b"".join(bencode(k) + bencode(info[k]) for k in sorted(info, reverse=True)) + b"e"
+    meta = parse(b"d4:info" + backwards + b"e")
+    assert meta.infohash == hashlib.sha1(backwards).hexdigest() != infohash
+    assert meta.files == parse(torrent).files
