@@ -204,6 +204,33 @@ def turned_away(exc: BaseException) -> bool:
     return False
 
 
+# SQLSTATEs of a Postgres that cannot serve anyone now, whatever the statement: shut down or
+# restarting under the session (57P01 terminated by an administrator, 57P02 crash, 57P03 not
+# accepting yet), out of disk or of connection slots (53100, 53300), or the connection itself
+# failing (class 08). Not a statement's own errors (a timeout, a constraint, out of memory for
+# one query): those are the step's.
+DOWN_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53100", "53300"})
+
+
+def down(error: BaseException) -> bool:
+    """Whether `error` (SQLAlchemy's or psycopg's) says Postgres is down or cannot serve now,
+    rather than that a statement failed: an outage of a service the step needs, which the
+    engine waits out without spending attempts where the kind's policy allows
+    (`proj.engine.commits.commit_failure`; `tests/integration/test_outages.py::
+    test_a_step_whose_postgres_session_is_terminated_waits_it_out`)."""
+    if turned_away(error):
+        return True
+    seen: BaseException | None = error
+    while seen is not None:
+        if getattr(seen, "connection_invalidated", False):  # SQLAlchemy saw the connection drop
+            return True
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str) and (state in DOWN_SQLSTATES or state.startswith("08")):
+            return True
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return False
+
+
 def reset_after_fork() -> None:
     """Drop inherited pooled connections in a forked child (they belong to the parent)."""
     if _engine is not None:

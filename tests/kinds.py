@@ -352,7 +352,8 @@ FINISHER = register(
 
 class OutageInput(BaseModel):
     """What the step meets on each execution, in order: `U` a service it needs is down
-    (`Unavailable`), `F` an ordinary error, `.` success (past the end: success)."""
+    (`Unavailable`), `P` Postgres ends the body's session under it (`pg_terminate_backend`, as a
+    restart does), `F` an ordinary error, `.` success (past the end: success)."""
 
     script: str
 
@@ -369,6 +370,9 @@ def scripted(ctx: StepContext) -> str:
     what = ctx.input.script[n - 1] if n <= len(ctx.input.script) else "."
     if what == "U":
         raise Unavailable(f"the service is down (execution {n})")
+    if what == "P":
+        with db.transaction() as s:
+            s.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
     if what == "F":
         raise RuntimeError(f"the service answered an error (execution {n})")
     return f"done after {n}"

@@ -87,8 +87,9 @@ def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> 
 def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> AttemptEnd:
     """Schedule the next attempt with backoff, or fail the run when attempts are exhausted.
 
-    An outage (`Unavailable` under a policy with an `outage_s`) is retried without spending the
-    attempt while the outage is younger than the window (`_wait_out`). The attempts spent are
+    An outage (`Unavailable`, or Postgres itself down under the body: `db.down`, under a policy
+    with an `outage_s`) is retried without spending the attempt while the outage is younger than
+    the window (`_wait_out`). The attempts spent are
     counted by the statement, in the row (`attempts - outages`), not from the claim.
 
     The backoff of an ordinary error grows with the attempts spent, not with an outage's: the
@@ -96,7 +97,7 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> Attempt
     (`tests/integration/test_outages.py::test_an_error_after_an_outage_backs_off_from_the_start`).
     An outage's own retries grow with every attempt, so a service down for long is asked less often."""
     err = error_payload(exc)
-    outage = isinstance(exc, Unavailable)
+    outage = isinstance(exc, Unavailable) or db.down(exc)
     delay = policy.backoff(c.attempt if outage else c.attempt - c.outages)
     with db.transaction() as s:
         if outage and policy.outage_s > 0 and _wait_out(s, c, policy, err, delay):

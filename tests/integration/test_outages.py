@@ -71,6 +71,24 @@ def test_attempts_that_meet_an_outage_are_not_spent(published) -> None:
     assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (run,)) == "succeeded"
 
 
+def test_a_step_whose_postgres_session_is_terminated_waits_it_out(published) -> None:
+    """Postgres restarting under a body (its session terminated, as `pg_ctl restart` or an
+    administrator does) is an outage too, not the step's error. Before, the two attempts it met
+    were spent and the run failed, under a policy that waits out a day of any other outage."""
+    run, step = enqueue("PP.")
+
+    assert protocol.execute(step, starts_run=True) == "unavailable"
+    assert again(step) == "unavailable"
+    view = runs.get(run)
+    assert view is not None and view.status == "running" and view.attempts == 0
+    assert view.last_error is not None and view.last_error["type"] == "OperationalError", view.last_error
+    assert "terminat" in view.last_error["message"], view.last_error
+
+    assert again(step) == "succeeded"
+    assert step_row(step)[:3] == ("succeeded", 3, 2)
+    assert outcomes(step) == ["unavailable"] * 2
+
+
 def test_an_outage_of_more_than_a_thousand_attempts_is_still_waited_out(published) -> None:
     """A day of `import`'s library outage at its 60 s backoff cap is some 1,440 attempts. From
     the 1,025th, the backoff (`2.0 ** attempt`) overflowed and the failure was never recorded:
@@ -142,11 +160,13 @@ def test_an_error_between_two_outages_ends_the_first(published) -> None:
 
 
 def test_under_a_policy_without_an_outage_window_an_outage_counts(published) -> None:
-    """`outage_s` is the kind's choice (invariant 9): without it, `Unavailable` is an error."""
-    run, step = enqueue("UU", kind="outage_counted")
-    assert protocol.execute(step, starts_run=True) == "retry"
-    assert again(step) == "failed"
-    assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (run,)) == "failed"
+    """`outage_s` is the kind's choice (invariant 9): without it, `Unavailable`, or Postgres
+    down under the body, is an error."""
+    for script in ("UU", "PP"):
+        run, step = enqueue(script, kind="outage_counted")
+        assert protocol.execute(step, starts_run=True) == "retry"
+        assert again(step) == "failed"
+        assert scalar("SELECT status FROM engine.task_run WHERE id = %s", (run,)) == "failed"
 
 
 def test_a_lease_lost_during_an_outage_leaves_the_outage_attempts_unspent(published) -> None:
