@@ -16,9 +16,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.text import Text
+
+if TYPE_CHECKING:
+    import uvicorn
 
 ADMIN_PORT = 8088
 
@@ -90,9 +94,28 @@ def free_port(preferred: int = ADMIN_PORT) -> int:
     raise RuntimeError("no free port on 127.0.0.1")
 
 
+def start_admin(app: Any, port: int, timeout_s: float = 30.0) -> tuple[uvicorn.Server, threading.Thread]:
+    """Serve `app` on 127.0.0.1:`port` from a thread; return once it accepts connections.
+
+    Why: the demo printed "serving" and its curl commands as soon as the thread started, and a
+    command run at once (on a loaded machine, the test's first POST) was refused before uvicorn
+    had bound its socket (`tests/unit/test_demo_serve.py`)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="demo-admin", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the demo's admin server did not start on 127.0.0.1:{port}")
+        time.sleep(0.02)
+    return server, thread
+
+
 def serve(console: Console, work: Path, torrent: bytes) -> None:
     """Serve /admin and /api on loopback until Ctrl-C, with fresh credentials printed once."""
-    import uvicorn
     from pydantic import SecretStr
 
     from proj.admin.app import create_app
@@ -107,11 +130,7 @@ def serve(console: Console, work: Path, torrent: bytes) -> None:
         }
     )
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, name="demo-admin", daemon=True)
-    thread.start()
+    server, thread = start_admin(create_app(settings), port)
     sample = work / "try-me.torrent"
     sample.write_bytes(torrent)
     env_names = ("DATABASE_URL", "BROKER_URL")
