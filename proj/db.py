@@ -191,17 +191,22 @@ TURNED_AWAY = (
 )
 
 
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what it wraps: SQLAlchemy's `orig` (the driver's error), or `__cause__`."""
+    seen: BaseException | None = error
+    while seen is not None:
+        yield seen
+        seen = getattr(seen, "orig", None) or seen.__cause__
+
+
 def turned_away(exc: BaseException) -> bool:
     """Whether `exc` (SQLAlchemy's, or psycopg's it wraps) is Postgres turning a connection away
     for now (`TURNED_AWAY`): worth waiting for, unlike a wrong URL, password or schema."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if getattr(seen, "sqlstate", None) in ("53300", "57P03"):
-            return True
-        if isinstance(seen, psycopg.OperationalError) and any(m in str(seen) for m in TURNED_AWAY):
-            return True
-        seen = getattr(seen, "orig", None) or seen.__cause__
-    return False
+    return any(
+        getattr(seen, "sqlstate", None) in ("53300", "57P03")
+        or (isinstance(seen, psycopg.OperationalError) and any(m in str(seen) for m in TURNED_AWAY))
+        for seen in _causes(exc)
+    )
 
 
 # SQLSTATEs of a Postgres that cannot serve anyone now, whatever the statement: shut down or
@@ -212,23 +217,20 @@ def turned_away(exc: BaseException) -> bool:
 DOWN_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53100", "53300"})
 
 
+def _down_here(seen: BaseException) -> bool:
+    if getattr(seen, "connection_invalidated", False):  # SQLAlchemy saw the connection drop
+        return True
+    state = getattr(seen, "sqlstate", None)
+    return isinstance(state, str) and (state in DOWN_SQLSTATES or state.startswith("08"))
+
+
 def down(error: BaseException) -> bool:
     """Whether `error` (SQLAlchemy's or psycopg's) says Postgres is down or cannot serve now,
     rather than that a statement failed: an outage of a service the step needs, which the
     engine waits out without spending attempts where the kind's policy allows
     (`proj.engine.commits.commit_failure`; `tests/integration/test_outages.py::
     test_a_step_whose_postgres_session_is_terminated_waits_it_out`)."""
-    if turned_away(error):
-        return True
-    seen: BaseException | None = error
-    while seen is not None:
-        if getattr(seen, "connection_invalidated", False):  # SQLAlchemy saw the connection drop
-            return True
-        state = getattr(seen, "sqlstate", None)
-        if isinstance(state, str) and (state in DOWN_SQLSTATES or state.startswith("08")):
-            return True
-        seen = getattr(seen, "orig", None) or seen.__cause__
-    return False
+    return turned_away(error) or any(_down_here(seen) for seen in _causes(error))
 
 
 def reset_after_fork() -> None:

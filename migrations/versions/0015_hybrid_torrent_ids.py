@@ -22,7 +22,7 @@ import sqlalchemy as sa
 import torf
 from alembic import op
 
-from proj.acquisition.torrents import torrent_id
+from proj.acquisition.torrents import is_hybrid, torrent_id
 
 revision = "0015_hybrid_torrent_ids"
 down_revision = "0014_outages"
@@ -46,7 +46,7 @@ def _is_hybrid(data: bytes) -> bool:
         info = torf.Torrent.read_stream(io.BytesIO(data), validate=False).metainfo["info"]
     except Exception:  # unreadable now: it keeps the id it has
         return False
-    return info.get("meta version") == 2 and "file tree" in info and "pieces" in info
+    return is_hybrid(info)
 
 
 def _rename(hybrid_ids: bool) -> None:

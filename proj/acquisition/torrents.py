@@ -196,7 +196,7 @@ def _parse(data: bytes, max_bytes: int | None) -> tuple[TorrentMeta, _Pieces]:
             _refuse_symlink(meta_info, name)
             entries.append((name, int(meta_info["length"])))
         pieces = _Pieces(int(meta_info.get("piece length", 0)), bytes(meta_info.get("pieces", b"")))
-        infohash = torrent_id(data, hybrid=meta_info.get("meta version") == 2 and "file tree" in meta_info)
+        infohash = torrent_id(data, hybrid=is_hybrid(meta_info))
     except BadTorrent:
         raise
     except Exception as exc:  # torf raises many kinds of errors for junk
@@ -219,6 +219,12 @@ def _parse(data: bytes, max_bytes: int | None) -> tuple[TorrentMeta, _Pieces]:
     padded = layout if len(layout) > len(files) else ()
     meta = TorrentMeta(name, infohash, files, sum(f.size for f in files), multi_file=multi, layout=padded)
     return meta, pieces
+
+
+def is_hybrid(info: Any) -> bool:
+    """A hybrid v1/v2 torrent's `info` (BEP 52 `meta version` 2 and a v2 `file tree`, beside
+    the v1 piece table; a v2-only one, without it, is refused by `parse`)."""
+    return info.get("meta version") == 2 and "file tree" in info and "pieces" in info
 
 
 def torrent_id(data: bytes, *, hybrid: bool) -> str:

@@ -32,14 +32,20 @@ def multi_file(*paths: list[str], name: str = "show") -> bytes:
     return bencode({"announce": "http://127.0.0.1/announce", "info": info})
 
 
-def padded(root: Path, piece: int, *, legacy: bool = False, trailing: bool = False) -> tuple[bytes, str]:
-    """A multi-file torrent of the files under `root` (sorted) with a padding file (BEP 47) after
-    each but the last, so that every file starts on a piece boundary: what libtorrent makes of a
-    hybrid v1/v2 torrent. `legacy`: padding named BitComet's way with no `attr`; `trailing`: one
-    after the last file too. Returns the metainfo and its infohash."""
+def _payload(root: Path) -> list[Path]:
+    """The files under `root`, in the order a torrent lists them (sorted by path segments)."""
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def _v1_padded(
+    root: Path, piece: int, *, legacy: bool = False, trailing: bool = False
+) -> tuple[list[dict[str, object]], bytes]:
+    """The v1 `files` of the files under `root`, a padding file (BEP 47) after each but the last
+    (`trailing`: the last too) so that every file starts on a piece boundary, and their `pieces`.
+    `legacy`: padding named BitComet's way with no `attr`."""
     files: list[dict[str, object]] = []
     stream = bytearray()
-    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    paths = _payload(root)
     for i, path in enumerate(paths):
         data = path.read_bytes()
         files.append({"length": len(data), "path": list(path.relative_to(root).parts)})
@@ -52,6 +58,14 @@ def padded(root: Path, piece: int, *, legacy: bool = False, trailing: bool = Fal
                 files.append({"length": gap, "path": [".pad", str(gap)], "attr": "p"})
             stream += bytes(gap)
     pieces = b"".join(hashlib.sha1(stream[o : o + piece]).digest() for o in range(0, len(stream), piece))
+    return files, pieces
+
+
+def padded(root: Path, piece: int, *, legacy: bool = False, trailing: bool = False) -> tuple[bytes, str]:
+    """A multi-file v1 torrent of the files under `root` with padding files (`_v1_padded`): what
+    libtorrent makes of a hybrid v1/v2 torrent, without the v2 part. Returns the metainfo and
+    its infohash."""
+    files, pieces = _v1_padded(root, piece, legacy=legacy, trailing=trailing)
     info = {"name": root.name, "piece length": piece, "pieces": pieces, "files": files}
     return bencode({"info": info}), hashlib.sha1(bencode(info)).hexdigest()
 
@@ -80,26 +94,17 @@ def hybrid(root: Path, piece: int) -> tuple[bytes, str, str]:
     assert piece >= BLOCK and piece & (piece - 1) == 0, "BEP 52: a power of two, at least 16 KiB"
     tree: dict[str, object] = {}
     layers: dict[bytes, bytes] = {}
-    files: list[dict[str, object]] = []
-    stream = bytearray()
-    for path in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).parts):
+    for path in _payload(root):
         data = path.read_bytes()
-        parts = list(path.relative_to(root).parts)
         merkle = _merkle_layers(data)
         node = tree
-        for part in parts:
+        for part in path.relative_to(root).parts:
             node = node.setdefault(part, {})  # type: ignore[assignment]
         node[""] = {"length": len(data), "pieces root": merkle[-1][0]}
         if len(data) > piece:  # one hash per piece, from the layer whose nodes span a piece
             per_piece = merkle[(piece // BLOCK).bit_length() - 1]
             layers[merkle[-1][0]] = b"".join(per_piece[: -(-len(data) // piece)])
-        files.append({"length": len(data), "path": parts})
-        stream += data
-        gap = -len(stream) % piece
-        if gap:
-            files.append({"length": gap, "path": [".pad", str(gap)], "attr": "p"})
-            stream += bytes(gap)
-    pieces = b"".join(hashlib.sha1(stream[o : o + piece]).digest() for o in range(0, len(stream), piece))
+    files, pieces = _v1_padded(root, piece, trailing=True)
     info = {
         "name": root.name,
         "piece length": piece,
