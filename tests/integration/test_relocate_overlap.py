@@ -86,14 +86,15 @@ def copies(task_id: uuid.UUID, *roots: Path) -> list[Path]:
     )
 
 
-def copy_underway(run_id: uuid.UUID) -> bool:
-    return (
-        scalar(
-            "SELECT count(*) FROM engine.step WHERE run_id = %s AND name = 'copy' AND status = 'running'",
-            (run_id,),
-        )
-        == 1
+def copy_underway(run_id: uuid.UUID, task_id: uuid.UUID, dst_root: Path) -> bool:
+    """The copy step runs and has begun writing under `dst_root`, so its body has read the row.
+    A step only claimed (status running) may not have read it yet: a row moved then is copied
+    from where it was moved to, and the switch rightly lands (a CI run saw exactly that)."""
+    running = scalar(
+        "SELECT count(*) FROM engine.step WHERE run_id = %s AND name = 'copy' AND status = 'running'",
+        (run_id,),
     )
+    return running == 1 and bool(copies(task_id, dst_root))
 
 
 def test_a_second_relocate_of_an_item_fails_at_once_and_leaves_one_copy(procs, tmp_path: Path) -> None:
@@ -106,7 +107,7 @@ def test_a_second_relocate_of_an_item_fails_at_once_and_leaves_one_copy(procs, t
     procs.beat(env=SLOW_COPY)
 
     first = relocate(item_id, b)
-    wait_for(lambda: copy_underway(first), 30, what="the first copy to be underway")
+    wait_for(lambda: copy_underway(first, task_id, b), 30, what="the first copy to be underway")
     second = relocate(item_id, c)
 
     assert wait_ended(procs, second) == "failed"
@@ -139,7 +140,7 @@ def test_a_switch_refuses_a_row_moved_since_its_copy_began(procs, tmp_path: Path
     procs.beat(env=SLOW_COPY)
 
     run_id = relocate(item_id, b)
-    wait_for(lambda: copy_underway(run_id), 30, what="the copy to be underway")
+    wait_for(lambda: copy_underway(run_id, task_id, b), 30, what="the copy to be underway")
     moved = c / str(task_id) / REL
     moved.parent.mkdir(parents=True)
     shutil.copyfile(a / str(task_id) / REL, moved)
