@@ -143,7 +143,7 @@ class StepContext(PlanContext):
     def checkpoint(self) -> None:
         """Raise `LeaseLost`, `CancelRequested` or `DeadlineExceeded` if the body should stop now."""
         if self.lease_lost:
-            raise LeaseLost(f"step {self.step_id} lost its lease")
+            raise LeaseLost(f"step {self.step_id}: lease lost, stopped at a checkpoint")
         if self.cancel_requested():
             raise CancelRequested(f"run {self.run_id} was canceled")
         if self.deadline_passed():

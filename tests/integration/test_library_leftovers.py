@@ -20,14 +20,19 @@ from psycopg.types.json import Jsonb
 import proj.celery  # noqa: F401 - registers every kind
 from proj import db
 from proj.acquisition import library
-from proj.acquisition.models import DownloadTask
 from proj.admin import queries
 from proj.engine import protocol, runs
 from proj.kinds import relocate as relocate_kind
 from proj.settings import get_settings
 from tests.acq_fixtures import *  # noqa: F403
 from tests.conftest import new_key
-from tests.integration.test_library_review import enqueue_periodic, events_of, imported_task, make_torrent
+from tests.integration.test_library_review import (
+    enqueue_periodic,
+    events_of,
+    imported_task,
+    make_torrent,
+    torrent_task,
+)
 from tests.integration.test_library_review import run_status as status_of_key
 from tests.integration.test_relocate_overlap import (
     REL,
@@ -262,7 +267,7 @@ def test_a_relocate_of_an_item_flagged_for_repair_refuses_its_switch_and_removes
     procs.beat(env=env)
 
     run_id = relocate(item_id, b)
-    wait_for(lambda: copy_underway(run_id), 30, what="the copy to be underway")
+    wait_for(lambda: copy_underway(run_id, task_id, b), 30, what="the copy to be underway")
     part = b / str(task_id) / "Show"
     wait_for(
         lambda: any(p.stat().st_size > 64 * 1024 for p in part.glob(".big.bin.part-*")),
@@ -273,7 +278,7 @@ def test_a_relocate_of_an_item_flagged_for_repair_refuses_its_switch_and_removes
     verify = enqueue_periodic("verify_library", 21)
     assert wait_ended(procs, verify) == "succeeded"
     assert scalar("SELECT status FROM acq.library_item WHERE id = %s", (item_id,)) == "corrupt"
-    assert copy_underway(run_id), "the flag landed while the copy was still running"
+    assert copy_underway(run_id, task_id, b), "the flag landed while the copy was still running"
 
     assert wait_ended(procs, run_id) == "failed"
     error = last_error(run_id)
@@ -316,7 +321,7 @@ def test_a_reimport_leaves_a_file_relocated_meanwhile_where_the_move_put_it(proc
     procs.beat(env=env)
 
     run_id = relocate(item_id, b)
-    wait_for(lambda: copy_underway(run_id), 30, what="the relocate's copy to be underway")
+    wait_for(lambda: copy_underway(run_id, task_id, b), 30, what="the relocate's copy to be underway")
     key = f"reimport:{task_id}:3"
     reimport = runs.enqueue(
         "import", {"download_task_id": str(task_id), "generation": 3}, idempotency_key=key
@@ -495,21 +500,8 @@ def test_verify_library_whose_disk_drops_midway_flags_the_root_not_the_files_aft
 
 def downloaded_task(t: torf.Torrent, files: dict[str, bytes]) -> uuid.UUID:
     """A request whose torrent `t` has finished downloading: the import's to run."""
-    task_id = uuid.uuid4()
     with db.sessions().begin() as s:
-        s.add(
-            DownloadTask(
-                id=task_id,
-                requester="olga",
-                title=t.name,
-                infohash=t.infohash.lower(),
-                torrent=t.dump(),
-                files=[{"rel_path": rel, "size": len(data)} for rel, data in files.items()],
-                total_size=sum(len(d) for d in files.values()),
-                status="downloaded",
-            )
-        )
-    return task_id
+        return torrent_task(s, t, files, "downloaded")
 
 
 @pytest.fixture
