@@ -251,15 +251,15 @@ class Celery:
             self.proc.wait(10)
 
 
-def worker_args(name: str, concurrency: int, loglevel: str) -> list[str]:
+def worker_args(name: str, concurrency: int, loglevel: str, pool: str = "prefork") -> list[str]:
     """The arguments after `celery -A proj` of every bench worker: node `<name>-<our pid>@%h`,
-    `-P prefork -c <concurrency> -O fair`, without mingle and gossip."""
+    `-P <pool> -c <concurrency> -O fair` (prefork unless said), without mingle and gossip."""
     return [
         "worker",
         "-n",
         f"{name}-{os.getpid()}@%h",
         "-P",
-        "prefork",
+        pool,
         "-c",
         str(concurrency),
         "-O",
@@ -271,9 +271,16 @@ def worker_args(name: str, concurrency: int, loglevel: str) -> list[str]:
     ]
 
 
-def worker(name: str, env: dict[str, str], logdir: Path, concurrency: int, loglevel: str = "INFO") -> Celery:
+def worker(
+    name: str,
+    env: dict[str, str],
+    logdir: Path,
+    concurrency: int,
+    loglevel: str = "INFO",
+    pool: str = "prefork",
+) -> Celery:
     """`celery -A proj worker` with the same flags as bench/throughput.py (prefork, -O fair)."""
-    return Celery(name, worker_args(name, concurrency, loglevel), env, logdir)
+    return Celery(name, worker_args(name, concurrency, loglevel, pool), env, logdir)
 
 
 def beat(name: str, env: dict[str, str], logdir: Path) -> Celery:

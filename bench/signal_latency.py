@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="1,16",
         help="phase 3 once per WAKE_BATCH (steps per wake message; 1 = one message each), in turn",
     )
-    p.add_argument("--concurrency", type=int, default=2, help="prefork worker processes")
+    p.add_argument("--concurrency", type=int, default=2, help="worker processes (prefork) or threads")
+    p.add_argument("--pool", choices=("prefork", "threads"), default="prefork", help="the worker's pool")
     add_service_args(p, db="proj_bench_signal", broker="redis://127.0.0.1:6379/6")
     return p.parse_args(argv)
 
@@ -213,13 +214,13 @@ def main(argv: list[str] | None = None) -> int:
             "samples": args.samples,
             "parked": args.parked,
             "herd": args.herd,
-            "worker": f"celery worker -P prefork -c {args.concurrency} -O fair, 1 beat (sweep 1 s)",
+            "worker": f"celery worker -P {args.pool} -c {args.concurrency} -O fair, 1 beat (sweep 1 s)",
             "db": args.db,
             "broker": args.broker,
         }
     }
     with broker_db(args.broker, "bench.signal_latency"):
-        w = start_worker("signal", env, logdir, concurrency=args.concurrency)
+        w = start_worker("signal", env, logdir, concurrency=args.concurrency, pool=args.pool)
         b = start_beat("beat", env, logdir)
         try:
             w.wait_ready()

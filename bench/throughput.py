@@ -1,8 +1,8 @@
 """Throughput: N runs x 5 no-op steps through the engine vs N plain Celery chains of 5 no-op tasks.
 
-One invocation starts one real worker (`celery -A proj worker -P prefork`), serving both the
-`noop5` kind and the plain tasks of `bench.kinds`, on its own database and Redis db, then
-measures plain and ours alternately and prints median rates and the ratio ours/plain.
+One invocation starts one real worker (`celery -A proj worker -P prefork`, or `--pool threads`),
+serving both the `noop5` kind and the plain tasks of `bench.kinds`, on its own database and Redis
+db, then measures plain and ours alternately and prints median rates and the ratio ours/plain.
 
     .venv/bin/python -m bench.throughput [--runs 200] [--concurrency 2] [--rounds 2] [--json]
 
@@ -59,7 +59,14 @@ STEPS = 5
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=200, help="runs (ours) and chains (plain) per round")
-    p.add_argument("--concurrency", type=int, default=2, help="prefork worker processes")
+    p.add_argument("--concurrency", type=int, default=2, help="worker processes (prefork) or threads")
+    p.add_argument(
+        "--pool",
+        choices=("prefork", "threads"),
+        default="prefork",
+        help="the worker's pool, the same for every side (threads: one process, no child to hand each "
+        "message to)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="measured rounds of each (alternating)")
     p.add_argument("--warmup", type=int, default=20, help="warm-up runs/chains of each")
     add_service_args(
@@ -115,12 +122,12 @@ def ensure_database(admin_url: str, name: str) -> None:
 class Worker:
     """One `celery -A proj worker` in its own session, so a signal reaches its children."""
 
-    def __init__(self, concurrency: int, env: dict[str, str], log: Path) -> None:
+    def __init__(self, concurrency: int, env: dict[str, str], log: Path, pool: str = "prefork") -> None:
         self.log = log
         full_env = {**os.environ, **env}
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [str(VENV_BIN / "celery"), "-A", "proj", *worker_args("bench", concurrency, "WARNING")],
+            [str(VENV_BIN / "celery"), "-A", "proj", *worker_args("bench", concurrency, "WARNING", pool)],
             cwd=ROOT,
             env=full_env,
             stdout=log.open("wb"),
@@ -504,7 +511,7 @@ def target_ratio(inline_steps: int) -> float:
 def print_table(report: dict[str, Any]) -> None:
     cfg, m = report["config"], report["machine"]
     print(
-        f"{cfg['runs']} runs x {STEPS} no-op steps; worker -P prefork -c {cfg['concurrency']} -O fair, "
+        f"{cfg['runs']} runs x {STEPS} no-op steps; worker -P {cfg['pool']} -c {cfg['concurrency']} -O fair, "
         f"prefetch multiplier {cfg['prefetch_multiplier']}; broker {cfg['broker']}; db {cfg['db']}"
     )
     print(
@@ -642,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
 
         deliveries.mkdir()
         env = {**env, DELIVERY_LOG: str(deliveries)}
-    worker = Worker(args.concurrency, env, log)
+    worker = Worker(args.concurrency, env, log, args.pool)
     sides = ("plain", "ours", "floor") if args.floor else ("plain", "ours")
     rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     flat: list[dict[str, Any]] = []
@@ -695,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "warmup": args.warmup,
             "concurrency": args.concurrency,
-            "pool": "prefork",
+            "pool": args.pool,
             "prefetch_multiplier": app.conf.worker_prefetch_multiplier,
             "broker": args.broker,
             "db": args.db,

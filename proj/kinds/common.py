@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from proj import db
 from proj.acquisition import qbt, service, torrents
 from proj.acquisition.models import DownloadTask, LibraryItem, TaskEvent
 from proj.engine.context import StepContext
+from proj.engine.effects import Attempt
 from proj.engine.errors import CancelRequested, Unavailable
 from proj.settings import get_settings
 
@@ -273,3 +275,19 @@ def require_mounted(root: Path) -> None:
             raise LibraryUnavailable(
                 f"library root {root} is empty but the library has files recorded there: is its disk mounted?"
             )
+
+
+def copy_checkpoint(ctx: StepContext, att: Attempt) -> Callable[[], None]:
+    """What a chunked copy (`library.copy_file`) calls between chunks: it stops the copy on a
+    cancel, a lost lease or a superseded ledger attempt, so a cancel or a second worker never
+    waits for a whole large file. `FAULT_CHUNK_DELAY_S` slows each chunk (fault injection: a copy
+    slow enough to cancel or to kill mid-way)."""
+    delay = get_settings().fault_chunk_delay_s
+
+    def checkpoint() -> None:
+        if delay:
+            time.sleep(delay)
+        ctx.checkpoint()
+        att.check()
+
+    return checkpoint

@@ -22,6 +22,7 @@ from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, fan_out, register, step
 from proj.kinds.common import (
     TaskInput,
+    copy_checkpoint,
     download_dir,
     library_mounted,
     library_path,
@@ -201,15 +202,7 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
             last[0] = now
             ctx.report_progress(done, total, f"copying {rel_path}")
 
-    delay = get_settings().fault_chunk_delay_s  # fault injection: a copy slow enough to hit
-
     def do(att: Attempt) -> dict[str, Any]:
-        def checkpoint() -> None:  # per chunk: cancel, lease and ledger attempt still ours?
-            if delay:
-                time.sleep(delay)
-            ctx.checkpoint()
-            att.check()
-
         _still_verified(ctx, task, src, ctx.item)
         library_mounted(task.id, root)  # never `mkdir -p` a root whose disk dropped since `verify`
         before = src.stat()
@@ -222,7 +215,7 @@ def copy_one(ctx: StepContext) -> dict[str, Any]:
                 src,
                 dst,
                 att.token.hex,
-                checkpoint=checkpoint,
+                checkpoint=copy_checkpoint(ctx, att),
                 progress=progress,
                 chunk=get_settings().copy_chunk_bytes,
                 expect_sha256=verified,

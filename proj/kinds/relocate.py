@@ -14,7 +14,6 @@ compensation (`give_up`, run by `compensate`). Proof: `tests/integration/test_li
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +32,7 @@ from proj.engine.context import StepContext
 from proj.engine.effects import Attempt, Done, NotDone, effect
 from proj.engine.errors import NonRetryable
 from proj.engine.kind import Kind, RetryPolicy, register, step
-from proj.kinds.common import library_path
+from proj.kinds.common import copy_checkpoint, library_path
 from proj.settings import get_settings
 
 
@@ -101,21 +100,14 @@ def copy(ctx: StepContext) -> dict[str, Any]:
             "noop": True,
             "from_root": item.root,
         }
-    delay = get_settings().fault_chunk_delay_s  # fault injection: a copy slow enough to cancel
 
     def do(att: Attempt) -> dict[str, Any]:
-        def checkpoint() -> None:  # per chunk: cancel, lease and ledger attempt still ours?
-            if delay:
-                time.sleep(delay)
-            ctx.checkpoint()
-            att.check()
-
         library.remove_temp_files(dst, keep=_files_of_task(item, Path(ctx.input.new_root)))
         copied = library.copy_file(
             src,
             dst,
             att.token.hex,
-            checkpoint=checkpoint,
+            checkpoint=copy_checkpoint(ctx, att),
             progress=lambda d, t: ctx.report_progress(d, t, "relocating") if d == t else None,
             chunk=get_settings().copy_chunk_bytes,
         )

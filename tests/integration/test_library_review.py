@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torf
+from sqlalchemy.orm import Session
 
 import proj.celery  # noqa: F401 - registers every kind
 from proj import db
@@ -174,23 +175,29 @@ def make_torrent(downloads: Path, name: str, files: dict[str, bytes]) -> torf.To
     return t
 
 
+def torrent_task(s: Session, t: torf.Torrent, files: dict[str, bytes], status: str) -> uuid.UUID:
+    """A request of torrent `t` (holding `files`) in `status`, added to `s` and flushed."""
+    task_id = uuid.uuid4()
+    s.add(
+        DownloadTask(
+            id=task_id,
+            requester="olga",
+            title=t.name,
+            infohash=t.infohash.lower(),
+            torrent=t.dump(),
+            files=[{"rel_path": rel, "size": len(data)} for rel, data in files.items()],
+            total_size=sum(len(d) for d in files.values()),
+            status=status,
+        )
+    )
+    s.flush()
+    return task_id
+
+
 def imported_task(t: torf.Torrent, files: dict[str, bytes], roots: dict[str, Path]) -> uuid.UUID:
     """A notified request whose file `rel` lies in the library under `roots[rel]`."""
-    task_id = uuid.uuid4()
     with db.sessions().begin() as s:
-        s.add(
-            DownloadTask(
-                id=task_id,
-                requester="olga",
-                title=t.name,
-                infohash=t.infohash.lower(),
-                torrent=t.dump(),
-                files=[{"rel_path": rel, "size": len(data)} for rel, data in files.items()],
-                total_size=sum(len(d) for d in files.values()),
-                status="notified",
-            )
-        )
-        s.flush()
+        task_id = torrent_task(s, t, files, "notified")
         for rel, data in files.items():
             path = roots[rel] / str(task_id) / t.name / rel
             path.parent.mkdir(parents=True, exist_ok=True)
