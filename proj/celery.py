@@ -217,14 +217,18 @@ def _child_exit(**_: object) -> None:
 
 
 @signals.worker_init.connect
-def _preflight(**_: object) -> None:
+def _preflight(sender: object = None, **_: object) -> None:
     """Refuse to start on a stale schema, an impossible connection budget or an unsafe pooler;
-    wait, not refuse, while Postgres has no connection for us yet (`preflight.when_admitted`)."""
+    wait, not refuse, while Postgres has no connection for us yet (`preflight.when_admitted`).
+    The budget counts this worker's own `-c`, and a pool without child processes (`-P threads`)
+    as one process."""
     from proj.engine.preflight import check_connection_budget, check_pooling, check_schema, when_admitted
+
+    concurrency, one_process = _pool_shape(sender)
 
     def checks() -> None:
         check_schema()
-        check_connection_budget()
+        check_connection_budget(concurrency=concurrency, one_process=one_process)
         check_pooling()
 
     try:
@@ -234,6 +238,19 @@ def _preflight(**_: object) -> None:
         raise SystemExit(f"worker refuses to start: {exc}") from exc
     finally:
         db.dispose()
+
+
+def _pool_shape(worker: object) -> tuple[int | None, bool]:
+    """(the worker's concurrency, whether its pool runs in its own process) from the
+    WorkController `worker_init` passes; (None, False) when it says neither."""
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool
+
+    concurrency = getattr(worker, "concurrency", None)
+    pool_cls = getattr(worker, "pool_cls", None)
+    impl = get_implementation(pool_cls) if pool_cls is not None else TaskPool
+    one_process = not (isinstance(impl, type) and issubclass(impl, TaskPool))
+    return (concurrency if isinstance(concurrency, int) and concurrency > 0 else None), one_process
 
 
 app = create_app()

@@ -88,7 +88,7 @@ class CeleryTaskEngine:
 
         app = self._app
         check_schema()
-        check_connection_budget()
+        check_connection_budget(concurrency=concurrency, one_process=True)  # a thread pool
         check_pooling()
         self._stopping.clear()
         if "worker" in roles:

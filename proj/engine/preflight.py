@@ -98,18 +98,40 @@ class Budget:
     reserved: int
     worst_case: int
     max_connections: int
+    processes_are: str
 
     @property
     def fits(self) -> bool:
         return self.worst_case <= self.max_connections
 
 
-def connection_budget(settings: Settings, max_connections: int, superuser_reserved: int) -> Budget:
+def connection_budget(
+    settings: Settings,
+    max_connections: int,
+    superuser_reserved: int,
+    *,
+    concurrency: int | None = None,
+    one_process: bool = False,
+) -> Budget:
     """Every worker process may fill its pool and overflow, and holds one liveness session
-    (`proj.engine.liveness`) unless `REAP_INTERVAL_S=0`; beat/admin/CLI use the reserve."""
+    (`proj.engine.liveness`) unless `REAP_INTERVAL_S=0`; beat/admin/CLI use the reserve.
+
+    A prefork worker is `concurrency` processes, each with its own pool. A worker whose pool runs
+    in its own process (`-P threads`, `solo`) is one process: its threads share one pool and one
+    liveness session, so it needs one process' connections, not `concurrency` times as many.
+    Why: `-P threads -c 16` was refused as 16 processes' worth of connections it can never open
+    (`tests/integration/test_preflight.py::test_a_threads_worker_is_budgeted_as_one_process`).
+    `concurrency` is the worker's own (`-c`), else `WORKER_CONCURRENCY`."""
     liveness = 1 if settings.reap_interval_s > 0 else 0
     per_process = settings.db_pool_size + settings.db_max_overflow + liveness
-    processes = settings.expected_workers * settings.worker_concurrency
+    if one_process:
+        processes, processes_are = settings.expected_workers, "EXPECTED_WORKERS, each one process of threads"
+    elif concurrency is None:
+        processes = settings.expected_workers * settings.worker_concurrency
+        processes_are = "EXPECTED_WORKERS x WORKER_CONCURRENCY"
+    else:
+        processes = settings.expected_workers * concurrency
+        processes_are = "EXPECTED_WORKERS x this worker's -c"
     worst = per_process * processes + settings.reserved_connections
     return Budget(
         per_process,
@@ -117,20 +139,24 @@ def connection_budget(settings: Settings, max_connections: int, superuser_reserv
         settings.reserved_connections,
         worst,
         max_connections - superuser_reserved,
+        processes_are,
     )
 
 
-def check_connection_budget(settings: Settings | None = None) -> Budget:
-    """Raise `ConnectionBudgetExceeded` with the arithmetic when the pools could not fit."""
+def check_connection_budget(
+    settings: Settings | None = None, *, concurrency: int | None = None, one_process: bool = False
+) -> Budget:
+    """Raise `ConnectionBudgetExceeded` with the arithmetic when the pools could not fit (for a
+    worker: its own `concurrency` and whether its pool is `one_process`, see `connection_budget`)."""
     settings = settings or get_settings()
     with db.transaction() as s:
         max_conn = int(s.scalar(text("SHOW max_connections")))
         reserved = int(s.scalar(text("SHOW superuser_reserved_connections")))
-    budget = connection_budget(settings, max_conn, reserved)
+    budget = connection_budget(settings, max_conn, reserved, concurrency=concurrency, one_process=one_process)
     if not budget.fits:
         raise ConnectionBudgetExceeded(
             f"worst case {budget.worst_case} connections = {budget.processes} worker processes "
-            f"(EXPECTED_WORKERS x WORKER_CONCURRENCY) x {budget.per_process} "
+            f"({budget.processes_are}) x {budget.per_process} "
             f"(DB_POOL_SIZE + DB_MAX_OVERFLOW + 1 liveness session) + {budget.reserved} reserved, "
             f"but Postgres allows "
             f"{budget.max_connections}: lower the pools or concurrency, or raise max_connections"

@@ -21,6 +21,21 @@ def test_budget_arithmetic() -> None:
     assert leases_only.worst_case == 130
 
 
+def test_a_threads_worker_is_budgeted_as_one_process() -> None:
+    """A worker's threads share its one pool and liveness session: `-P threads -c 16` needs one
+    process' connections per worker. Before, it was counted as 16 processes and refused. A
+    prefork worker counts its own `-c`, not `WORKER_CONCURRENCY`: before, `-c 16` beside the
+    default `WORKER_CONCURRENCY=2` was counted as 2 processes and let through."""
+    s = Settings(
+        db_pool_size=3, db_max_overflow=2, worker_concurrency=16, expected_workers=2, reserved_connections=10
+    )
+    threads = connection_budget(s, 100, 3, concurrency=16, one_process=True)
+    assert (threads.processes, threads.worst_case, threads.fits) == (2, 2 * 6 + 10, True)
+    prefork = connection_budget(s.model_copy(update={"worker_concurrency": 2}), 100, 3, concurrency=16)
+    assert (prefork.processes, prefork.worst_case, prefork.fits) == (32, 32 * 6 + 10, False)
+    assert connection_budget(s.model_copy(update={"worker_concurrency": 2}), 100, 3).processes == 4
+
+
 def test_budget_refused_against_the_real_server() -> None:
     with pytest.raises(ConnectionBudgetExceeded, match="max_connections"):
         check_connection_budget(Settings(db_pool_size=40, db_max_overflow=10))
@@ -33,6 +48,23 @@ def test_worker_refuses_an_impossible_budget(procs) -> None:
     assert p.returncode != 0
     assert "refuses to start" in procs.log("greedy")
     assert "max_connections" in procs.log("greedy")
+
+
+def test_a_worker_budgets_its_own_pool_and_concurrency(procs) -> None:
+    """The real worker passes its `-P` and `-c` to the budget: `-P threads -c 16` starts with
+    `WORKER_CONCURRENCY=16` (one process, 2 x 6 + 10 connections), and runs a step; `-P prefork
+    -c 16` is refused with the default `WORKER_CONCURRENCY` (32 processes x 6 + 10 > 97)."""
+    from proj.engine import runs
+    from tests.conftest import new_key
+
+    procs.worker("threads", pool="threads", concurrency=16, env={"WORKER_CONCURRENCY": "16"})
+    ref = runs.enqueue("probe", {"n": 1}, idempotency_key=new_key())
+    status = "SELECT status FROM engine.task_run WHERE id = %s"
+    wait_for(lambda: sql(status, (ref.task_run_id,)) == [("succeeded",)], 60, what="the run on -P threads")
+    p = procs.worker("wide", concurrency=16, wait=False)
+    wait_for(lambda: p.poll() is not None, 60, what="the prefork worker to exit")
+    assert p.returncode != 0
+    assert "this worker's -c" in procs.log("wide") and "max_connections" in procs.log("wide")
 
 
 def test_worker_refuses_a_schema_behind_the_code(procs) -> None:

@@ -187,6 +187,7 @@ class ProcessGroup:
         concurrency: int = 2,
         env: dict[str, str] | None = None,
         wait: bool = True,
+        pool: str = "prefork",
     ) -> subprocess.Popen[bytes]:
         log = self._spawn(
             name,
@@ -197,7 +198,7 @@ class ProcessGroup:
                 "-c",
                 str(concurrency),
                 "-P",
-                "prefork",
+                pool,
                 "--loglevel",
                 "INFO",
                 "--without-mingle",
