@@ -19,9 +19,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from proj.engine import runs
-from tests.conftest import new_key
-from tests.integration.test_ledger import _effects_input, op_row
+from tests.faults.test_faults_pg_restart import effects_and_probes
+from tests.integration.test_ledger import op_row
 from tests.kinds_effects import Receiver, lines_for
 from tests.support.disks import fill
 from tests.support.private import PrivatePostgres, private_postgres
@@ -78,17 +77,9 @@ def test_postgres_out_of_disk_mid_step_loses_nothing_and_repeats_no_effect(
     env = {"DATABASE_URL": pg.url, "INLINE_STEPS": "0", "REPUBLISH_AFTER_S": "2"}
     procs.worker("w", concurrency=2, env=env)
     procs.beat(env=env)
-    inputs = [
-        _effects_input(tmp_path / f"e{i}", receiver, hold_in="http", hold_when="after", hold_s=2.0)
-        for i in range(EFFECTS)
-    ]
-    for inp in inputs:
-        Path(inp["path"]).parent.mkdir(parents=True, exist_ok=True)
-    refs = [runs.enqueue("effects", inp, idempotency_key=new_key()) for inp in inputs]
-    refs += [
-        runs.enqueue("probe", {"n": i, "slow_step": "s2", "slow_s": 1.0}, idempotency_key=new_key())
-        for i in range(PROBES)
-    ]
+    refs, inputs = effects_and_probes(
+        tmp_path, receiver, effects=EFFECTS, probes=PROBES, hold_s=2.0, slow_s=1.0
+    )
     wait_for(lambda: receiver.count(inputs[0]["op"]) >= 1, 30, what="an effect done, its step not committed")
 
     filler = fill(root)

@@ -48,19 +48,30 @@ def _start(procs: ProcessGroup, pg: PrivatePostgres) -> None:
     procs.beat(env=env)
 
 
-def _mid_step(tmp_path: Path, receiver: Receiver) -> tuple[list, list[dict]]:
-    """Effects runs holding after their POST (done, not committed) and probe runs mid-step."""
+def effects_and_probes(
+    tmp_path: Path, receiver: Receiver, *, effects: int, probes: int, hold_s: float, slow_s: float
+) -> tuple[list, list[dict]]:
+    """Enqueue `effects` runs that hold `hold_s` after their POST (the effect done, its step not
+    committed) and `probes` probe runs whose s2 takes `slow_s`: (the refs, the effects' inputs)."""
     inputs = [
-        _effects_input(tmp_path / f"e{i}", receiver, hold_in="http", hold_when="after", hold_s=3.0)
-        for i in range(EFFECT_RUNS)
+        _effects_input(tmp_path / f"e{i}", receiver, hold_in="http", hold_when="after", hold_s=hold_s)
+        for i in range(effects)
     ]
     for inp in inputs:
         Path(inp["path"]).parent.mkdir(parents=True, exist_ok=True)
     refs = [runs.enqueue("effects", inp, idempotency_key=new_key()) for inp in inputs]
     refs += [
-        runs.enqueue("probe", {"n": i, "slow_step": "s2", "slow_s": 1.5}, idempotency_key=new_key())
-        for i in range(PROBE_RUNS)
+        runs.enqueue("probe", {"n": i, "slow_step": "s2", "slow_s": slow_s}, idempotency_key=new_key())
+        for i in range(probes)
     ]
+    return refs, inputs
+
+
+def _mid_step(tmp_path: Path, receiver: Receiver) -> tuple[list, list[dict]]:
+    """Effects runs holding after their POST (done, not committed) and probe runs mid-step."""
+    refs, inputs = effects_and_probes(
+        tmp_path, receiver, effects=EFFECT_RUNS, probes=PROBE_RUNS, hold_s=3.0, slow_s=1.5
+    )
     wait_for(
         lambda: (
             sum(bool(read_journal(inp["journal"])) for inp in inputs) >= 2
