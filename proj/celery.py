@@ -225,6 +225,8 @@ def _preflight(sender: object = None, **_: object) -> None:
     from proj.engine.preflight import check_connection_budget, check_pooling, check_schema, when_admitted
 
     concurrency, one_process = _pool_shape(sender)
+    if one_process:
+        db.serve_threads(concurrency or get_settings().worker_concurrency)
 
     def checks() -> None:
         check_schema()

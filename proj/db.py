@@ -18,11 +18,31 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy import Engine, TextClause, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
 
-from proj.settings import get_settings
+from proj.settings import Settings, get_settings
 
 _lock = threading.Lock()
 _engine: Engine | None = None
 _sessions: sessionmaker[Session] | None = None
+_threads = 1  # threads of this process that run steps (`serve_threads`)
+
+
+def pool_size_for(settings: Settings, threads: int) -> int:
+    """The pool of a process whose `threads` run steps: `DB_POOL_SIZE`, or a connection per
+    thread and one for its heartbeat if that is more. Why: under `-P threads -c 16` sixteen
+    step threads and the lease heartbeat shared a pool of 3 (+2 overflow) and queued for it, a
+    heartbeat queued long enough loses its leases (`tests/integration/test_preflight.py::
+    test_a_threads_worker_sizes_its_pool_to_its_threads`)."""
+    return max(settings.db_pool_size, threads + 1)
+
+
+def serve_threads(threads: int) -> None:
+    """Size this process' pool for `threads` step threads (a `-P threads` worker, the embedded
+    engine); an engine already made with another size is closed, the next one has the new size."""
+    global _threads
+    settings = get_settings()
+    before, _threads = pool_size_for(settings, _threads), threads
+    if pool_size_for(settings, threads) != before:
+        dispose()
 
 
 def get_engine() -> Engine:
@@ -37,7 +57,7 @@ def get_engine() -> Engine:
                 s = get_settings()
                 engine = create_engine(
                     s.require_database_url(),
-                    pool_size=s.db_pool_size,
+                    pool_size=pool_size_for(s, _threads),
                     max_overflow=s.db_max_overflow,
                     pool_recycle=1800,
                     connect_args={

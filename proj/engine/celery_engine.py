@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from proj import db
 from proj.engine import broker, runs
 from proj.engine.port import TaskRunRef, TaskRunView
 
@@ -87,6 +88,7 @@ class CeleryTaskEngine:
         from proj.engine.preflight import check_connection_budget, check_pooling, check_schema
 
         app = self._app
+        db.serve_threads(concurrency)  # before the first connection: the pool is sized to the threads
         check_schema()
         check_connection_budget(concurrency=concurrency, one_process=True)  # a thread pool
         check_pooling()

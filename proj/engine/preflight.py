@@ -117,13 +117,15 @@ def connection_budget(
     (`proj.engine.liveness`) unless `REAP_INTERVAL_S=0`; beat/admin/CLI use the reserve.
 
     A prefork worker is `concurrency` processes, each with its own pool. A worker whose pool runs
-    in its own process (`-P threads`, `solo`) is one process: its threads share one pool and one
-    liveness session, so it needs one process' connections, not `concurrency` times as many.
+    in its own process (`-P threads`, `solo`) is one process: its threads share one pool, sized
+    to them (`db.pool_size_for`), and one liveness session, so it needs one process' connections,
+    not `concurrency` times as many.
     Why: `-P threads -c 16` was refused as 16 processes' worth of connections it can never open
     (`tests/integration/test_preflight.py::test_a_threads_worker_is_budgeted_as_one_process`).
     `concurrency` is the worker's own (`-c`), else `WORKER_CONCURRENCY`."""
     liveness = 1 if settings.reap_interval_s > 0 else 0
-    per_process = settings.db_pool_size + settings.db_max_overflow + liveness
+    threads = (settings.worker_concurrency if concurrency is None else concurrency) if one_process else 1
+    per_process = db.pool_size_for(settings, threads) + settings.db_max_overflow + liveness
     if one_process:
         processes, processes_are = settings.expected_workers, "EXPECTED_WORKERS, each one process of threads"
     elif concurrency is None:
@@ -157,7 +159,8 @@ def check_connection_budget(
         raise ConnectionBudgetExceeded(
             f"worst case {budget.worst_case} connections = {budget.processes} worker processes "
             f"({budget.processes_are}) x {budget.per_process} "
-            f"(DB_POOL_SIZE + DB_MAX_OVERFLOW + 1 liveness session) + {budget.reserved} reserved, "
+            f"(the pool: DB_POOL_SIZE or a connection per thread, + DB_MAX_OVERFLOW + 1 liveness session) "
+            f"+ {budget.reserved} reserved, "
             f"but Postgres allows "
             f"{budget.max_connections}: lower the pools or concurrency, or raise max_connections"
         )

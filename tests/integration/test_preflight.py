@@ -30,10 +30,31 @@ def test_a_threads_worker_is_budgeted_as_one_process() -> None:
         db_pool_size=3, db_max_overflow=2, worker_concurrency=16, expected_workers=2, reserved_connections=10
     )
     threads = connection_budget(s, 100, 3, concurrency=16, one_process=True)
-    assert (threads.processes, threads.worst_case, threads.fits) == (2, 2 * 6 + 10, True)
+    # 2 processes x (17 pooled: one per thread and the heartbeat's, + 2 overflow + 1 liveness)
+    assert (threads.processes, threads.per_process, threads.worst_case, threads.fits) == (2, 20, 50, True)
     prefork = connection_budget(s.model_copy(update={"worker_concurrency": 2}), 100, 3, concurrency=16)
     assert (prefork.processes, prefork.worst_case, prefork.fits) == (32, 32 * 6 + 10, False)
     assert connection_budget(s.model_copy(update={"worker_concurrency": 2}), 100, 3).processes == 4
+
+
+def test_a_threads_worker_sizes_its_pool_to_its_threads() -> None:
+    """`-P threads -c 8`: eight step threads and the lease heartbeat share the process' pool, so
+    it holds 9, not `DB_POOL_SIZE` (3), where they queued for a connection before (a heartbeat
+    queued past the lease loses it). The worker's start-up (`worker_init`) sizes it; a prefork
+    child keeps `DB_POOL_SIZE`."""
+    from types import SimpleNamespace
+
+    from proj import db
+    from proj.celery import _preflight
+
+    try:
+        _preflight(sender=SimpleNamespace(pool_cls="threads", concurrency=8))
+        assert db.get_engine().pool.size() == 9  # type: ignore[attr-defined]
+        db.serve_threads(1)
+        _preflight(sender=SimpleNamespace(pool_cls="prefork", concurrency=4))
+        assert db.get_engine().pool.size() == 3  # type: ignore[attr-defined]
+    finally:
+        db.serve_threads(1)
 
 
 def test_budget_refused_against_the_real_server() -> None:
@@ -52,7 +73,7 @@ def test_worker_refuses_an_impossible_budget(procs) -> None:
 
 def test_a_worker_budgets_its_own_pool_and_concurrency(procs) -> None:
     """The real worker passes its `-P` and `-c` to the budget: `-P threads -c 16` starts with
-    `WORKER_CONCURRENCY=16` (one process, 2 x 6 + 10 connections), and runs a step; `-P prefork
+    `WORKER_CONCURRENCY=16` (one process, 2 x 20 + 10 connections), and runs a step; `-P prefork
     -c 16` is refused with the default `WORKER_CONCURRENCY` (32 processes x 6 + 10 > 97)."""
     from proj.engine import runs
     from tests.conftest import new_key
