@@ -353,7 +353,9 @@ FINISHER = register(
 class OutageInput(BaseModel):
     """What the step meets on each execution, in order: `U` a service it needs is down
     (`Unavailable`), `P` Postgres ends the body's session under it (`pg_terminate_backend`, as a
-    restart does), `F` an ordinary error, `.` success (past the end: success)."""
+    restart does), `H` the body sits for a minute inside a fenced transaction (where a SIGSTOP
+    freezes it with the step row locked), `F` an ordinary error, `.` success (past the end:
+    success)."""
 
     script: str
 
@@ -373,6 +375,9 @@ def scripted(ctx: StepContext) -> str:
     if what == "P":
         with db.transaction() as s:
             s.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+    if what == "H":
+        with ctx.fenced():
+            time.sleep(60)
     if what == "F":
         raise RuntimeError(f"the service answered an error (execution {n})")
     return f"done after {n}"

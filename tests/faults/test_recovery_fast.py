@@ -134,3 +134,35 @@ def test_a_frozen_worker_keeps_its_lease_and_is_fenced_after_it(procs, tmp_path:
     )
     assert [e["pid"] for e in refused] == [frozen_pid]
     assert_effect_once(inp, receiver)
+
+
+def test_a_worker_frozen_inside_a_fenced_transaction_is_taken_over_at_its_lease(procs) -> None:
+    """A worker frozen (SIGSTOP) while its body sits inside a fenced transaction keeps the step
+    row locked, and the sweeper skips locked rows: before, its lease was never expired and the
+    step stayed `running` for as long as the process stayed frozen (a CI run of
+    `test_lease_lost_by_sigstop_during_a_copy` froze it inside a copy's per-chunk check so). Now
+    the fence bounds the transaction's idle time below the lease: Postgres ends the frozen
+    session, and the step runs on the rescuer at about the lease."""
+    procs.worker("frozen", concurrency=1, env=LEASE)
+    ref = runs.enqueue("outage_counted", {"script": "H"}, idempotency_key=new_key())
+    executions = "SELECT count(*) FROM testkit.execution WHERE run_id = %s"
+    wait_for(lambda: scalar(executions, (ref.task_run_id,)) == 1, 30, what="the body to start")
+    wait_for(
+        lambda: scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+            "AND query LIKE '%%UPDATE engine.step SET lease_until%%'"
+        ),
+        10,
+        what="the body idle inside its fenced transaction",
+    )
+    procs.signal("frozen", signal.SIGSTOP)
+    stopped_at = scalar("SELECT clock_timestamp()")
+    try:
+        procs.worker("rescuer", concurrency=1, env=LEASE)
+        procs.beat(env=LEASE)
+        wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 45, what="the rescuer to finish")
+        taken = (attempt_started(ref.task_run_id, 2) - stopped_at).total_seconds()
+        assert taken > 8, f"taken over after {taken:.1f}s: sooner than a 15 s lease allows"
+    finally:
+        procs.signal("frozen", signal.SIGCONT)
+    assert scalar(executions, (ref.task_run_id,)) == 2

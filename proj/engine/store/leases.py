@@ -35,11 +35,21 @@ from sqlalchemy.orm import Session
 
 from proj.engine.store.rows import changed
 
+# RENEW and FENCE lock step rows inside a transaction of several statements. A holder frozen
+# between them (SIGSTOP, a paused VM) would keep the rows locked for as long as it stays frozen,
+# and the sweeper, which skips locked rows, would never expire its lease. So each also bounds how
+# long its transaction may sit idle (`bounded`: `idle_in_transaction_session_timeout`, local to
+# the transaction), to less than the lease it grants: Postgres ends a frozen holder's session,
+# and with it the locks, before the lease runs out (`tests/faults/test_recovery_fast.py::
+# test_a_worker_frozen_inside_a_fenced_transaction_is_taken_over_at_its_lease`).
 RENEW = text(
     """
+    WITH bounded AS MATERIALIZED (
+        SELECT set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)
+    )
     UPDATE engine.step s
        SET lease_until = now() + make_interval(secs => :ttl)
-      FROM unnest(CAST(:ids AS bigint[]), CAST(:toks AS uuid[])) AS l(id, tok)
+      FROM unnest(CAST(:ids AS bigint[]), CAST(:toks AS uuid[])) AS l(id, tok), bounded
      WHERE s.id = l.id AND s.lease_token = l.tok AND s.status = 'running'
  RETURNING s.id,
            (SELECT r.cancel_requested_at IS NOT NULL FROM engine.task_run r WHERE r.id = s.run_id)
@@ -48,11 +58,22 @@ RENEW = text(
 
 FENCE = text(
     """
+    WITH bounded AS MATERIALIZED (
+        SELECT set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)
+    )
     UPDATE engine.step SET lease_until = now() + make_interval(secs => :ttl)
+      FROM bounded
      WHERE id = :id AND lease_token = :tok AND status = 'running'
  RETURNING id
     """
 )
+
+
+def idle_bound_ms(ttl: float) -> int:
+    """How long a transaction that renewed or fenced a lease of `ttl` seconds may sit idle: two
+    thirds of the lease, so a frozen holder's session ends before the lease does."""
+    return max(1, int(ttl * 1000 * 2 / 3))
+
 
 # What a checkpoint asks: was a cancel requested, has the run's deadline passed (database clock).
 STOP_REASONS = text(
@@ -151,14 +172,20 @@ class DeadOwnerLease(NamedTuple):
 
 def renew(s: Session, *, ttl: float, leases: Sequence[tuple[int, uuid.UUID]]) -> list[Renewed]:
     """Extend every `(step id, token)` lease still held; a lease missing from the answer is lost."""
-    params = {"ttl": ttl, "ids": [i for i, _ in leases], "toks": [t for _, t in leases]}
+    params = {
+        "ttl": ttl,
+        "idle_ms": idle_bound_ms(ttl),
+        "ids": [i for i, _ in leases],
+        "toks": [t for _, t in leases],
+    }
     return [Renewed(int(r[0]), bool(r[1])) for r in s.execute(RENEW, params)]
 
 
 def fence(s: Session, *, step_id: int, token: uuid.UUID, ttl: float) -> bool:
     """Lock the step row while `token` holds its lease (and extend it); False: the lease is gone
     and the caller's transaction must not commit."""
-    return s.execute(FENCE, {"ttl": ttl, "id": step_id, "tok": token}).first() is not None
+    params = {"ttl": ttl, "idle_ms": idle_bound_ms(ttl), "id": step_id, "tok": token}
+    return s.execute(FENCE, params).first() is not None
 
 
 def stop_reasons(s: Session, run_id: uuid.UUID) -> StopReasons | None:
