@@ -124,16 +124,15 @@ def connection_budget(
     (`tests/integration/test_preflight.py::test_a_threads_worker_is_budgeted_as_one_process`).
     `concurrency` is the worker's own (`-c`), else `WORKER_CONCURRENCY`."""
     liveness = 1 if settings.reap_interval_s > 0 else 0
-    threads = (settings.worker_concurrency if concurrency is None else concurrency) if one_process else 1
-    per_process = db.pool_size_for(settings, threads) + settings.db_max_overflow + liveness
+    per_worker = settings.worker_concurrency if concurrency is None else concurrency
+    threads_per_process = per_worker if one_process else 1
+    per_process = db.pool_size_for(settings, threads_per_process) + settings.db_max_overflow + liveness
     if one_process:
         processes, processes_are = settings.expected_workers, "EXPECTED_WORKERS, each one process of threads"
-    elif concurrency is None:
-        processes = settings.expected_workers * settings.worker_concurrency
-        processes_are = "EXPECTED_WORKERS x WORKER_CONCURRENCY"
     else:
-        processes = settings.expected_workers * concurrency
-        processes_are = "EXPECTED_WORKERS x this worker's -c"
+        processes = settings.expected_workers * per_worker
+        which_c = "WORKER_CONCURRENCY" if concurrency is None else "this worker's -c"
+        processes_are = f"EXPECTED_WORKERS x {which_c}"
     worst = per_process * processes + settings.reserved_connections
     return Budget(
         per_process,
