@@ -33,6 +33,7 @@ from proj.engine.store import children as children_store
 from proj.engine.store import commits as commits_store
 from proj.engine.store import stages as store
 from proj.engine.store import waits as waits_store
+from proj.engine.store.leases import idle_bound_ms
 from proj.engine.store.rows import StepRef
 from proj.settings import get_settings
 
@@ -338,7 +339,7 @@ def notify_parent(
     if parent_run_id is None:
         return []
     topic = children_store.finished_topic(run_id)
-    waits_store.lock_topic(s, topic)
+    waits_store.lock_topic(s, topic, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
     waits_store.store_signal(s, topic, json.dumps({"run_id": str(run_id), "status": status}))
     return [
         dispatch.step_dispatch(w.id, w.kind, w.version, w.name, w.priority)

@@ -43,6 +43,7 @@ from proj.engine.status import StepStatus
 from proj.engine.store import children as children_store
 from proj.engine.store import recovery as store
 from proj.engine.store import stats, waits
+from proj.engine.store.leases import idle_bound_ms
 from proj.engine.store.rows import Known
 from proj.settings import get_settings
 
@@ -72,10 +73,11 @@ def sweep(*, wait: bool = False) -> SweepReport:
     """
     report = SweepReport()
     settings = get_settings()
+    idle_ms = idle_bound_ms(settings.lease_ttl_s)  # a sweeper frozen holding the lock loses it
     with db.transaction() as s:
         if wait:
-            store.lock_sweep(s)
-        elif not store.try_lock_sweep(s):
+            store.lock_sweep(s, idle_ms=idle_ms)
+        elif not store.try_lock_sweep(s, idle_ms=idle_ms):
             report.skipped = True
             return report
         known = known_versions()

@@ -166,3 +166,66 @@ def test_a_worker_frozen_inside_a_fenced_transaction_is_taken_over_at_its_lease(
     finally:
         procs.signal("frozen", signal.SIGCONT)
     assert scalar(executions, (ref.task_run_id,)) == 2
+
+
+# A sweep that freezes (SIGSTOP) once it holds the sweep's lock, as a worker frozen mid-sweep
+# would: `known_versions` is the sweep's first call after taking the lock.
+FREEZE_INSIDE_A_SWEEP = """
+import os, signal
+from proj.engine import sweeper
+
+known_versions = sweeper.known_versions
+
+
+def frozen_here():
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return known_versions()
+
+
+sweeper.known_versions = frozen_here
+sweeper.sweep(wait=True)
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _sweep_lock_held() -> bool:
+    from proj.engine.store.recovery import SWEEP_LOCK
+
+    return bool(
+        scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
+            "AND objsubid = 1 AND granted",
+            (SWEEP_LOCK,),
+        )
+    )
+
+
+def test_a_frozen_sweeper_stops_recovery_briefly(procs, tmp_path: Path, receiver) -> None:
+    """A process frozen inside a sweep holds the sweep's lock, and every other sweep skips or
+    queues behind it: before, no lease was taken back anywhere for as long as it stayed frozen,
+    the liveness fast path's included (a kill -9 went unrecovered). Now the lock bounds the
+    sweep's idle time to two thirds of the lease: Postgres ends the frozen sweeper's session, and
+    the killed worker's step resumes on the rescuer about then, its effect done once."""
+    procs.worker("victim", concurrency=1, env=LEASE)
+    inp = _effects_input(tmp_path, receiver, hold_in="http", hold_when="after", hold_s=120.0)
+    ref = runs.enqueue("effects", inp, idempotency_key=new_key())
+    holding(inp)
+    procs.worker("rescuer", concurrency=1, env=LEASE)
+    procs.beat(env=LEASE)
+    sweep = procs.python("sweeper", FREEZE_INSIDE_A_SWEEP, env=LEASE)
+    wait_for(lambda: _stopped(sweep.pid), 30, what="the sweep to freeze holding its lock")
+    assert _sweep_lock_held()
+    frozen_at = scalar("SELECT clock_timestamp()")
+    procs.kill("victim")
+    wait_for(lambda: attempt_started(ref.task_run_id, 2), 40, what="the step to be claimed again")
+    resumed = (attempt_started(ref.task_run_id, 2) - frozen_at).total_seconds()
+    assert _stopped(sweep.pid), "the sweeper stayed frozen throughout"
+    assert not _sweep_lock_held(), "Postgres ended the frozen sweeper's session"
+    assert resumed > 5, f"resumed {resumed:.1f}s after the freeze: the sweep lock was not in the way"
+    wait_for(lambda: _run_status(ref.task_run_id) == "succeeded", 30, what="the run to finish")
+    assert_effect_once(inp, receiver)
+    print(f"a sweeper frozen holding its lock: the killed worker's step resumed {resumed:.1f}s after")

@@ -166,12 +166,15 @@ class ProcessGroup:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None) -> Path:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None, *, program: str = "celery"
+    ) -> Path:
         log = self.tmp / f"{name}.log"
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        argv = [str(VENV_BIN / "celery"), "-A", "proj", *args] if program == "celery" else [program, *args]
         self.procs[name] = subprocess.Popen(
-            [str(VENV_BIN / "celery"), "-A", "proj", *args],
+            argv,
             cwd=ROOT,
             env=full_env,
             stdout=log.open("wb"),
@@ -223,6 +226,11 @@ class ProcessGroup:
             ["beat", "--loglevel", "INFO", "-s", str(self.tmp / f"{name}-schedule")],
             env,
         )
+        return self.procs[name]
+
+    def python(self, name: str, code: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Run `code` in the project's Python, as a process of this group (its own session)."""
+        self._spawn(name, ["-c", code], env, program=str(VENV_BIN / "python"))
         return self.procs[name]
 
     def _died(self, name: str, log: Path, raise_: bool = False) -> bool:

@@ -50,11 +50,21 @@ from proj.engine.status import StepStatus
 from proj.engine.store.rows import changed
 from proj.engine.store.stages import EndedRun, LockedRun, NextStep
 
+# The commits that take a transaction of several statements (`SUCCEED_AND_LOCK_RUN`,
+# `FAIL_OR_RETRY`, `RETRY_OUTAGE`, `CANCEL_STEP`) lock the step row first. A holder frozen before
+# its COMMIT (SIGSTOP, a paused VM) would keep it locked for as long as it stayed frozen, and the
+# sweeper, which skips locked rows, would never take the step back. So each bounds its
+# transaction's idle time (`bounded`), as `leases.FENCE` does: Postgres ends a frozen holder's
+# session, and with it the lock and the uncommitted change
+# (`tests/integration/test_idle_bounds.py::test_engine_locks_bound_their_transaction`).
 SUCCEED_AND_LOCK_RUN = text(
     """
-    WITH done AS (
+    WITH bounded AS MATERIALIZED (
+        SELECT set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)
+    ), done AS (
         UPDATE engine.step s SET status = 'succeeded', result = CAST(:result AS jsonb),
                finished_at = now(), lease_until = NULL, progress = NULL, outage_since = NULL
+          FROM bounded
          WHERE s.id = :id AND s.lease_token = :tok AND s.status = 'running'
      RETURNING s.id, s.run_id
     )
@@ -227,6 +237,9 @@ SUCCEED_AND_FINISH = text(
 # later attempt of that outage counts too (else each counted one would open a fresh window).
 FAIL_OR_RETRY = text(
     """
+    WITH bounded AS MATERIALIZED (
+        SELECT set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)
+    )
     UPDATE engine.step
        SET status = CASE WHEN :final OR attempts - outages >= :budget THEN 'failed' ELSE 'pending' END,
            next_attempt_at = CASE WHEN :final OR attempts - outages >= :budget THEN now()
@@ -234,6 +247,7 @@ FAIL_OR_RETRY = text(
            error = CAST(:err AS jsonb), lease_token = NULL, lease_until = NULL,
            published_at = NULL, outage_since = CASE WHEN :outage THEN outage_since END,
            finished_at = CASE WHEN :final OR attempts - outages >= :budget THEN now() ELSE NULL END
+      FROM bounded
      WHERE id = :id AND lease_token = :tok AND status = 'running'
     RETURNING status, attempts - outages AS spent
     """
@@ -245,10 +259,14 @@ FAIL_OR_RETRY = text(
 # gone, or the outage is older than its window and the attempt counts (`FAIL_OR_RETRY`).
 RETRY_OUTAGE = text(
     """
+    WITH bounded AS MATERIALIZED (
+        SELECT set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)
+    )
     UPDATE engine.step
        SET status = 'pending', next_attempt_at = now() + make_interval(secs => :delay),
            error = CAST(:err AS jsonb), lease_token = NULL, lease_until = NULL,
            published_at = NULL, outages = outages + 1, outage_since = coalesce(outage_since, now())
+      FROM bounded
      WHERE id = :id AND lease_token = :tok AND status = 'running'
        AND (outage_since IS NULL OR outage_since > now() - make_interval(secs => :window))
     RETURNING outage_since, attempts - outages AS spent
@@ -264,8 +282,12 @@ RECORD_RETRY_ERROR = text(
 
 CANCEL_STEP = text(
     """
+    WITH bounded AS MATERIALIZED (
+        SELECT set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)
+    )
     UPDATE engine.step SET status = 'canceled', lease_token = NULL, lease_until = NULL,
            finished_at = now()
+      FROM bounded
      WHERE id = :id AND lease_token = :tok AND status = 'running'
     RETURNING id
     """
@@ -308,9 +330,13 @@ class SucceededAndClaimed(NamedTuple):
     claimed_at: datetime | None
 
 
-def succeed_and_lock_run(s: Session, *, step_id: int, token: uuid.UUID, result: str) -> LockedRun | None:
-    """Store the step's `result` (JSON) and lock its run for the advance; None: refused."""
-    row = s.execute(SUCCEED_AND_LOCK_RUN, {"id": step_id, "tok": token, "result": result}).first()
+def succeed_and_lock_run(
+    s: Session, *, step_id: int, token: uuid.UUID, result: str, idle_ms: int
+) -> LockedRun | None:
+    """Store the step's `result` (JSON) and lock its run for the advance, in a transaction that
+    may sit idle for at most `idle_ms` from here; None: refused."""
+    params = {"id": step_id, "tok": token, "result": result, "idle_ms": idle_ms}
+    row = s.execute(SUCCEED_AND_LOCK_RUN, params).first()
     return None if row is None else LockedRun.of(row)
 
 
@@ -432,12 +458,15 @@ def fail_or_retry(
     budget: int,
     delay: float,
     err: Mapping[str, Any],
+    idle_ms: int,
     outage: bool = False,
 ) -> Failed | None:
     """The attempt failed and counts: the step fails (`final`, or its spent attempts reached
     `budget`) or waits `delay` seconds for its next attempt; None: refused (nothing written).
-    `outage`: the error was an outage past its window (it does not end the outage)."""
+    `outage`: the error was an outage past its window (it does not end the outage). The
+    transaction may sit idle for at most `idle_ms` from here."""
     params = {
+        "idle_ms": idle_ms,
         "final": final,
         "budget": budget,
         "delay": delay,
@@ -451,11 +480,26 @@ def fail_or_retry(
 
 
 def retry_outage(
-    s: Session, *, step_id: int, token: uuid.UUID, delay: float, window: float, err: Mapping[str, Any]
+    s: Session,
+    *,
+    step_id: int,
+    token: uuid.UUID,
+    delay: float,
+    window: float,
+    err: Mapping[str, Any],
+    idle_ms: int,
 ) -> Outage | None:
     """The attempt met an outage: the step waits `delay` seconds, the attempt not spent; None:
-    refused, or the outage outlasted `window` seconds (then `fail_or_retry` decides)."""
-    params = {"delay": delay, "window": window, "err": json.dumps(err), "id": step_id, "tok": token}
+    refused, or the outage outlasted `window` seconds (then `fail_or_retry` decides). The
+    transaction may sit idle for at most `idle_ms` from here."""
+    params = {
+        "delay": delay,
+        "window": window,
+        "err": json.dumps(err),
+        "id": step_id,
+        "tok": token,
+        "idle_ms": idle_ms,
+    }
     row = s.execute(RETRY_OUTAGE, params).first()
     return None if row is None else Outage(row.outage_since, row.spent)
 
@@ -467,9 +511,10 @@ def record_retry_error(s: Session, run_id: uuid.UUID, err: Mapping[str, Any]) ->
     return changed(s.execute(RECORD_RETRY_ERROR, {"err": json.dumps(err), "run": run_id})) > 0
 
 
-def cancel_step(s: Session, *, step_id: int, token: uuid.UUID) -> bool:
-    """The body stopped on a cancel request: the step is canceled; False: refused."""
-    return s.execute(CANCEL_STEP, {"id": step_id, "tok": token}).first() is not None
+def cancel_step(s: Session, *, step_id: int, token: uuid.UUID, idle_ms: int) -> bool:
+    """The body stopped on a cancel request: the step is canceled (the transaction idle for at
+    most `idle_ms` from here); False: refused."""
+    return s.execute(CANCEL_STEP, {"id": step_id, "tok": token, "idle_ms": idle_ms}).first() is not None
 
 
 def close_attempt(

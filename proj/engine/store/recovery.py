@@ -31,8 +31,21 @@ from proj.engine.store.leases import CONSUMER_LOCK_NS
 from proj.engine.store.rows import Known, changed
 
 SWEEP_LOCK = 0x5EE9_0001
-LOCK_SWEEP = text("SELECT pg_advisory_xact_lock(:k)")
-TRY_LOCK_SWEEP = text("SELECT pg_try_advisory_xact_lock(:k)")
+# The sweep's lock is held to its commit, and every other sweep skips or queues behind it. A
+# sweeper frozen inside its transaction (SIGSTOP, a paused VM) would hold it for as long as it
+# stayed frozen, and no lease would be expired anywhere meanwhile, the liveness fast path's
+# included (it sweeps behind the lock). So the lock also bounds its transaction's idle time, as
+# `leases.FENCE` does (`idle_in_transaction_session_timeout`, local to the transaction): Postgres
+# ends a frozen sweeper's session, and recovery goes on
+# (`tests/faults/test_recovery_fast.py::test_a_frozen_sweeper_stops_recovery_briefly`).
+LOCK_SWEEP = text(
+    "SELECT pg_advisory_xact_lock(:k),"
+    " set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)"
+)
+TRY_LOCK_SWEEP = text(
+    "SELECT pg_try_advisory_xact_lock(:k),"
+    " set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)"
+)
 
 # A step whose attempts are spent (`attempts - outages`: an attempt that waited out an outage is
 # not spent, migration 0014) fails its run, which needs the run's kind: one of a version this
@@ -155,14 +168,16 @@ class RunSlot(NamedTuple):
     concurrency_key: str | None
 
 
-def lock_sweep(s: Session) -> None:
-    """Wait for the sweep in progress, then hold the sweep's lock to the commit."""
-    s.execute(LOCK_SWEEP, {"k": SWEEP_LOCK})
+def lock_sweep(s: Session, *, idle_ms: int) -> None:
+    """Wait for the sweep in progress, then hold the sweep's lock to the commit, in a transaction
+    that may sit idle for at most `idle_ms`."""
+    s.execute(LOCK_SWEEP, {"k": SWEEP_LOCK, "idle_ms": idle_ms})
 
 
-def try_lock_sweep(s: Session) -> bool:
-    """Hold the sweep's lock to the commit; False: another sweep runs (skip this tick)."""
-    return bool(s.scalar(TRY_LOCK_SWEEP, {"k": SWEEP_LOCK}))
+def try_lock_sweep(s: Session, *, idle_ms: int) -> bool:
+    """Hold the sweep's lock to the commit (the transaction idle for at most `idle_ms`); False:
+    another sweep runs (skip this tick)."""
+    return bool(s.scalar(TRY_LOCK_SWEEP, {"k": SWEEP_LOCK, "idle_ms": idle_ms}))
 
 
 def expire_leases(s: Session, n: int, known: Known) -> list[ExpiredLease]:

@@ -35,7 +35,15 @@ from sqlalchemy.orm import Session
 
 from proj.engine.store.rows import changed
 
-LOCK_TOPIC = text("SELECT pg_advisory_xact_lock(hashtext(:topic))")
+# The topic's lock is held to the commit: a holder frozen inside its transaction (SIGSTOP, a paused
+# VM) would stop every signal and park of the topic for as long as it stayed frozen, and a park
+# goes on to lock its step row, which the sweeper then skips. So the lock bounds its transaction's
+# idle time, as `leases.FENCE` does
+# (`tests/integration/test_idle_bounds.py::test_engine_locks_bound_their_transaction`).
+LOCK_TOPIC = text(
+    "SELECT pg_advisory_xact_lock(hashtext(:topic)),"
+    " set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)"
+)
 
 STORE_SIGNAL = text(
     "INSERT INTO engine.task_signal (topic, payload) VALUES (:topic, CAST(:payload AS jsonb))"
@@ -146,9 +154,10 @@ class Signal(NamedTuple):
     payload: Any  # the stored JSON (None for a signal sent without one)
 
 
-def lock_topic(s: Session, topic: str) -> None:
-    """Serialise signals and parks of `topic` to the commit (no signal lost to a racing park)."""
-    s.execute(LOCK_TOPIC, {"topic": topic})
+def lock_topic(s: Session, topic: str, *, idle_ms: int) -> None:
+    """Serialise signals and parks of `topic` to the commit (no signal lost to a racing park), in
+    a transaction that may sit idle for at most `idle_ms`."""
+    s.execute(LOCK_TOPIC, {"topic": topic, "idle_ms": idle_ms})
 
 
 def store_signal(s: Session, topic: str, payload: str) -> None:

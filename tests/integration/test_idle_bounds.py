@@ -1,0 +1,131 @@
+"""A transaction that holds engine locks may not sit idle past two thirds of the lease.
+
+Why: the sweeper takes leases back `FOR UPDATE SKIP LOCKED`, and signals, parks and sweeps queue
+behind advisory locks held to the commit. A process frozen (SIGSTOP, a paused VM) between two
+statements of such a transaction kept its locks for as long as it stayed frozen: its step was
+never taken back, or every sweep everywhere waited behind it. Each statement that takes such a
+lock also sets `idle_in_transaction_session_timeout` for the rest of its transaction, so
+Postgres ends a frozen holder's session, and with it the locks, before the lease runs out.
+`tests/faults/test_recovery_fast.py` freezes real workers and a real sweep; these tests pin each
+statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import NullPool, create_engine, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from proj import db
+from proj.engine import runs, sweeper
+from proj.engine.store import claims, commits, leases, recovery, waits
+from proj.engine.store.leases import idle_bound_ms
+from proj.settings import get_settings
+from tests.conftest import new_key
+from tests.support.services import wait_for
+from tests.support.steps import first_step
+
+BOUND_MS = idle_bound_ms(get_settings().lease_ttl_s)
+IDLE_SETTING = text("SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'")
+
+
+def _claimed(ttl: float = 30.0) -> tuple[int, uuid.UUID]:
+    """A probe run's first step, claimed by this test (the lease holder the statements fence)."""
+    ref = runs.enqueue("probe", {}, idempotency_key=new_key())
+    step_id, token = first_step(ref.task_run_id), uuid.uuid4()
+    with db.autocommit() as conn:
+        assert claims.claim(conn, step_id=step_id, token=token, owner="test-worker", ttl=ttl) is not None
+    return step_id, token
+
+
+def _err() -> dict[str, Any]:
+    return {"type": "RuntimeError", "message": "boom"}
+
+
+# Each takes a session and a claimed step, runs one statement that takes an engine lock, and
+# returns whether it landed (a statement that found nothing to lock bounds nothing).
+LOCKERS: dict[str, Callable[[Session, int, uuid.UUID], object]] = {
+    "lock_sweep": lambda s, i, t: recovery.lock_sweep(s, idle_ms=BOUND_MS) or True,
+    "try_lock_sweep": lambda s, i, t: recovery.try_lock_sweep(s, idle_ms=BOUND_MS),
+    "lock_topic": lambda s, i, t: waits.lock_topic(s, f"idle-{i}", idle_ms=BOUND_MS) or True,
+    "succeed_and_lock_run": lambda s, i, t: commits.succeed_and_lock_run(
+        s, step_id=i, token=t, result="1", idle_ms=BOUND_MS
+    ),
+    "fail_or_retry": lambda s, i, t: commits.fail_or_retry(
+        s, step_id=i, token=t, final=False, budget=5, delay=1.0, err=_err(), idle_ms=BOUND_MS
+    ),
+    "retry_outage": lambda s, i, t: commits.retry_outage(
+        s, step_id=i, token=t, delay=1.0, window=60.0, err=_err(), idle_ms=BOUND_MS
+    ),
+    "cancel_step": lambda s, i, t: commits.cancel_step(s, step_id=i, token=t, idle_ms=BOUND_MS),
+    "fence": lambda s, i, t: leases.fence(s, step_id=i, token=t, ttl=get_settings().lease_ttl_s),
+    "renew": lambda s, i, t: leases.renew(s, ttl=get_settings().lease_ttl_s, leases=[(i, t)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOCKERS))
+def test_engine_locks_bound_their_transaction(name: str) -> None:
+    step_id, token = _claimed()
+    s = db.sessions()()
+    try:
+        assert s.scalar(IDLE_SETTING) == "0", "the session itself is unbounded"
+        assert LOCKERS[name](s, step_id, token), f"{name} did not land"
+        assert s.scalar(IDLE_SETTING) == str(BOUND_MS)
+        s.rollback()
+        assert s.scalar(IDLE_SETTING) == "0", "the bound is the transaction's, not the session's"
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def frozen_holder() -> Iterator[Session]:
+    """A session on a connection of its own, left idle inside its transaction as a frozen
+    process leaves it (its connection is not returned to the shared pool: Postgres ends it)."""
+    engine = create_engine(get_settings().require_database_url(), poolclass=NullPool)
+    s = Session(engine)
+    yield s
+    with contextlib.suppress(DBAPIError):  # Postgres ended its session
+        s.close()
+    engine.dispose()
+
+
+def _expired_now(step_id: int) -> bool:
+    """Whether a sweep's expiry (which skips locked rows) takes this step back now."""
+    with db.transaction() as s:
+        return step_id in {e.id for e in recovery.expire_leases(s, 1000, sweeper.known_versions())}
+
+
+def test_a_step_row_held_by_a_frozen_commit_is_taken_back_after_the_bound(frozen_holder: Session) -> None:
+    """The failure path locks the step row (`FAIL_OR_RETRY`), then logs the attempt and the run's
+    error: a holder frozen in between kept the row locked, and the sweeper, which skips locked
+    rows, never expired its lease. Now Postgres ends the holder's session at the bound, and the
+    next sweep takes the step back."""
+    step_id, token = _claimed(ttl=1.0)
+    failed = commits.fail_or_retry(
+        frozen_holder,
+        step_id=step_id,
+        token=token,
+        final=False,
+        budget=5,
+        delay=1.0,
+        err=_err(),
+        idle_ms=BOUND_MS,
+    )
+    assert failed is not None  # the row is locked, its change uncommitted: the holder "freezes"
+    frozen_at = time.monotonic()
+    time.sleep(1.2)  # the lease (1 s) has run out
+    assert not _expired_now(step_id), "the row is locked: the sweep must skip it"
+    wait_for(lambda: _expired_now(step_id), BOUND_MS / 1000 + 5, what="the sweep to take the step back")
+    taken = time.monotonic() - frozen_at
+    assert taken >= BOUND_MS / 1000 * 0.9, f"taken back after {taken:.1f}s, before the bound"
+    with pytest.raises(DBAPIError) as caught:
+        frozen_holder.execute(text("SELECT 1"))
+    assert isinstance(caught.value.orig, psycopg.errors.IdleInTransactionSessionTimeout)
