@@ -86,7 +86,21 @@ FORGET_ALL_REFUSALS = text(
 # tried, up to qBittorrent's ban threshold; now they take turns per URL and the later ones find
 # the first one's refusal (`tests/integration/test_qbt_review.py::
 # test_clients_logging_in_at_once_with_refused_credentials_make_one_failed_login`).
-LOCK_LOGIN = text("SELECT pg_advisory_xact_lock(hashtextextended('qbt-login:' || :url, 0))")
+# Every qBittorrent call is bounded: 5 s to connect, 30 s to answer.
+REQUEST_TIMEOUT = (5, 30)
+
+# A transaction held open around qBittorrent calls (the login lock here, an infohash's in
+# `kinds.common.torrent_decision`) sits idle between two statements for as long as those calls
+# take: a few of at most 35 s each, and a listing wait of 15 s. Its idle time is bounded all the
+# same (`idle_in_transaction_session_timeout`, local to the transaction), well above that: a
+# process frozen holding the lock (SIGSTOP, a paused VM) gives it up after five minutes, not
+# never (`tests/integration/test_idle_bounds.py::test_qbittorrent_locks_bound_their_transaction`).
+QBT_LOCK_IDLE_MS = 300_000
+
+LOCK_LOGIN = text(
+    "SELECT pg_advisory_xact_lock(hashtextextended('qbt-login:' || :url, 0)),"
+    " set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)"
+)
 
 
 # scrypt's cost (RFC 7914's interactive parameters: 16 MiB and about 50 ms a digest here).
@@ -131,7 +145,7 @@ class _Client(qbittorrentapi.Client):  # type: ignore[misc]
         subject = credentials_digest(self.host, self.username, self._password)
         window = get_settings().qbt_login_retry_s
         with db.transaction() as s:
-            s.execute(LOCK_LOGIN, {"url": self.host})
+            s.execute(LOCK_LOGIN, {"url": self.host, "idle_ms": QBT_LOCK_IDLE_MS})
             refused = s.execute(RECENT_REFUSAL, {"subject": subject, "window": window}).first()
             failed = None if refused is not None else self._log_in_recorded(s, subject, kwargs)
         if refused is not None:
@@ -187,7 +201,7 @@ def client() -> qbittorrentapi.Client:
             host=s.qbt_url,
             username=s.qbt_username or "",
             password=s.qbt_password.get_secret_value() if s.qbt_password else "",
-            REQUESTS_ARGS={"timeout": (5, 30)},
+            REQUESTS_ARGS={"timeout": REQUEST_TIMEOUT},
             VERIFY_WEBUI_CERTIFICATE=False,
             RAISE_NOTIMPLEMENTEDERROR_FOR_UNIMPLEMENTED_API_ENDPOINTS=False,
         )

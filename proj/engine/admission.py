@@ -19,6 +19,7 @@ from proj.engine import dispatch
 from proj.engine.dispatch import Dispatch
 from proj.engine.kind import Kind, all_kinds
 from proj.engine.store import admission as store
+from proj.engine.store.leases import idle_bound_ms
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def admit(s: Session, slot: store.Slot, gates: list[Gate]) -> tuple[Denial | Non
     """
     kicks: list[Dispatch] = []
     for gate in gates:
-        store.lock_gate(s, gate.lock)
+        store.lock_gate(s, gate.lock, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
         held, mine = holders(s, gate, slot.run_id)
         if mine:
             continue  # a sibling of this run holds the slot already

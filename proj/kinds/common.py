@@ -111,7 +111,11 @@ def torrent_add(task_id: uuid.UUID) -> dict[str, Any] | None:
 
 # Every decision about one infohash in qBittorrent (find-and-add, decide-and-remove) is taken
 # under this lock, held by the transaction open around it (`torrent_decision`).
-LOCK_TORRENT = text("SELECT pg_advisory_xact_lock(hashtextextended('torrent:' || :infohash, 0))")
+# Its transaction may sit idle for `qbt.QBT_LOCK_IDLE_MS` (a frozen holder gives the lock up).
+LOCK_TORRENT = text(
+    "SELECT pg_advisory_xact_lock(hashtextextended('torrent:' || :infohash, 0)),"
+    " set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)"
+)
 
 # The other requests holding the torrent: their add was attempted (the ledger op exists; its row
 # commits before its effect runs), they are not closed (rejected, canceling, canceled), and they
@@ -142,7 +146,7 @@ def torrent_decision(infohash: str) -> Iterator[Session]:
     (`tests/integration/test_shared_torrent.py`).
     """
     with db.transaction() as s:
-        s.execute(LOCK_TORRENT, {"infohash": infohash})
+        s.execute(LOCK_TORRENT, {"infohash": infohash, "idle_ms": qbt.QBT_LOCK_IDLE_MS})
         yield s
 
 

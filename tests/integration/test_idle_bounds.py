@@ -25,9 +25,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from proj import db
+from proj.acquisition import qbt
 from proj.engine import runs, sweeper
-from proj.engine.store import claims, commits, leases, recovery, waits
+from proj.engine.store import admission, claims, commits, leases, recovery, waits
 from proj.engine.store.leases import idle_bound_ms
+from proj.kinds.common import torrent_decision
 from proj.settings import get_settings
 from tests.conftest import new_key
 from tests.support.services import wait_for
@@ -55,6 +57,7 @@ def _err() -> dict[str, Any]:
 LOCKERS: dict[str, Callable[[Session, int, uuid.UUID], object]] = {
     "lock_sweep": lambda s, i, t: recovery.lock_sweep(s, idle_ms=BOUND_MS) or True,
     "try_lock_sweep": lambda s, i, t: recovery.try_lock_sweep(s, idle_ms=BOUND_MS),
+    "lock_gate": lambda s, i, t: admission.lock_gate(s, f"idle-{i}", idle_ms=BOUND_MS) or True,
     "lock_topic": lambda s, i, t: waits.lock_topic(s, f"idle-{i}", idle_ms=BOUND_MS) or True,
     "succeed_and_lock_run": lambda s, i, t: commits.succeed_and_lock_run(
         s, step_id=i, token=t, result="1", idle_ms=BOUND_MS
@@ -129,3 +132,14 @@ def test_a_step_row_held_by_a_frozen_commit_is_taken_back_after_the_bound(frozen
     with pytest.raises(DBAPIError) as caught:
         frozen_holder.execute(text("SELECT 1"))
     assert isinstance(caught.value.orig, psycopg.errors.IdleInTransactionSessionTimeout)
+
+
+def test_qbittorrent_locks_bound_their_transaction() -> None:
+    """The locks held around qBittorrent calls are bounded too, above the calls' own timeouts
+    (`qbt.QBT_LOCK_IDLE_MS`): a frozen holder gives an infohash, or the login turn, back."""
+    assert 1000 * (3 * sum(qbt.REQUEST_TIMEOUT) + 15) < qbt.QBT_LOCK_IDLE_MS, "below what the calls may take"
+    with torrent_decision("0" * 40) as s:
+        assert s.scalar(IDLE_SETTING) == str(qbt.QBT_LOCK_IDLE_MS)
+    with db.transaction() as s:
+        s.execute(qbt.LOCK_LOGIN, {"url": "http://127.0.0.1:1", "idle_ms": qbt.QBT_LOCK_IDLE_MS})
+        assert s.scalar(IDLE_SETTING) == str(qbt.QBT_LOCK_IDLE_MS)

@@ -44,7 +44,13 @@ SLOT_OF = text(
     """
 )
 
-LOCK_GATE = text("SELECT pg_advisory_xact_lock(hashtext(:lock))")
+# Held to the commit: a claimer frozen holding it (SIGSTOP, a paused VM) would stop every claim
+# of the gate for as long as it stayed frozen, so it bounds its transaction's idle time, as
+# `leases.FENCE` does (`tests/integration/test_idle_bounds.py`).
+LOCK_GATE = text(
+    "SELECT pg_advisory_xact_lock(hashtext(:lock)),"
+    " set_config('idle_in_transaction_session_timeout', CAST(:idle_ms AS text), true)"
+)
 
 # A holder is a step `running` under its token, expired lease or not: until the sweeper takes
 # the lease back (`recovery.EXPIRE_LEASES`, which then hands the slot on) a late heartbeat
@@ -172,9 +178,10 @@ def slot_of(s: Session, step_id: int) -> Slot | None:
     return None if row is None else Slot(*row)
 
 
-def lock_gate(s: Session, lock: str) -> None:
-    """Serialise the claims of one gate (kind, or kind and key) to the commit."""
-    s.execute(LOCK_GATE, {"lock": lock})
+def lock_gate(s: Session, lock: str, *, idle_ms: int) -> None:
+    """Serialise the claims of one gate (kind, or kind and key) to the commit, in a transaction
+    that may sit idle for at most `idle_ms`."""
+    s.execute(LOCK_GATE, {"lock": lock, "idle_ms": idle_ms})
 
 
 def holders(s: Session, *, kind: str, key: str | None, run_id: uuid.UUID | None) -> Holders:
