@@ -68,6 +68,7 @@ def get_engine() -> Engine:
                     },
                 )
                 _ping_when_idle(engine, s.db_ping_idle_s)
+                bound_idle_transactions(engine, idle_in_transaction_ms(s))
                 _sessions = sessionmaker(engine, expire_on_commit=False)
                 _engine = engine
     return _engine
@@ -82,6 +83,42 @@ def pooler_params() -> dict[str, Any]:
     Proof: `tests/integration/test_pgbouncer.py`.
     """
     return {"prepare_threshold": None} if get_settings().db_pooler == "transaction" else {}
+
+
+def idle_in_transaction_ms(s: Settings) -> int:
+    """How long a session of ours may sit idle inside a transaction before Postgres ends it
+    (`DB_IDLE_IN_TRANSACTION_S`); 0: no bound of ours (behind a transaction pooler, where a
+    session setting would stay on a server connection other clients share: PgBouncer's own
+    `idle_transaction_timeout` does it there)."""
+    return 0 if s.db_pooler == "transaction" else int(s.db_idle_in_transaction_s * 1000)
+
+
+def bound_idle_transactions(engine: Engine, ms: int) -> None:
+    """Every new connection of `engine` gets `idle_in_transaction_session_timeout` = `ms` (0:
+    none), set once as it connects.
+
+    Why: a process frozen inside a transaction (SIGSTOP, a paused VM or container) holds its row
+    and advisory locks for as long as it stays frozen. The statements that take the engine's own
+    locks bound their transaction at two thirds of the lease (`proj.engine.store.leases`); this
+    is the backstop for every other transaction, business ones included (an API request frozen
+    holding a request's row would stall the step that writes it). A statement, not a startup
+    option: PgBouncer refuses startup options, and it is recommended in front of Postgres
+    (`tests/integration/test_idle_bounds.py`).
+    """
+    if ms <= 0:
+        return
+
+    @event.listens_for(engine, "connect")
+    def _connected(dbapi_conn: Any, record: Any) -> None:
+        was = dbapi_conn.autocommit
+        dbapi_conn.autocommit = True  # the setting outlives this statement: no transaction around it
+        try:
+            dbapi_conn.execute(BOUND_IDLE_TRANSACTIONS, {"ms": str(ms)})
+        finally:
+            dbapi_conn.autocommit = was
+
+
+BOUND_IDLE_TRANSACTIONS = "SELECT set_config('idle_in_transaction_session_timeout', %(ms)s, false)"
 
 
 def tcp_params() -> dict[str, int]:

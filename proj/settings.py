@@ -80,6 +80,12 @@ class Settings(BaseSettings):
         description="ping a pooled connection on checkout only if it sat idle this long (0: always)",
     )
     db_max_overflow: int = Field(default=2, ge=0)
+    db_idle_in_transaction_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Postgres ends a session of ours idle inside a transaction this long (0: never;"
+        " not set behind a transaction pooler: PgBouncer's idle_transaction_timeout does it there)",
+    )
     worker_concurrency: int = Field(default=2, ge=1)
     disable_prefetch: bool = Field(
         default=True,

@@ -36,6 +36,7 @@ from tests.support.services import wait_for
 from tests.support.steps import first_step
 
 BOUND_MS = idle_bound_ms(get_settings().lease_ttl_s)
+SESSION_MS = str(db.idle_in_transaction_ms(get_settings()))  # `DB_IDLE_IN_TRANSACTION_S`, 60 s
 IDLE_SETTING = text("SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'")
 
 
@@ -79,11 +80,11 @@ def test_engine_locks_bound_their_transaction(name: str) -> None:
     step_id, token = _claimed()
     s = db.sessions()()
     try:
-        assert s.scalar(IDLE_SETTING) == "0", "the session itself is unbounded"
+        assert s.scalar(IDLE_SETTING) == SESSION_MS, "the session's own bound, the backstop"
         assert LOCKERS[name](s, step_id, token), f"{name} did not land"
         assert s.scalar(IDLE_SETTING) == str(BOUND_MS)
         s.rollback()
-        assert s.scalar(IDLE_SETTING) == "0", "the bound is the transaction's, not the session's"
+        assert s.scalar(IDLE_SETTING) == SESSION_MS, "the bound is the transaction's, not the session's"
     finally:
         s.close()
 
@@ -143,3 +144,31 @@ def test_qbittorrent_locks_bound_their_transaction() -> None:
     with db.transaction() as s:
         s.execute(qbt.LOCK_LOGIN, {"url": "http://127.0.0.1:1", "idle_ms": qbt.QBT_LOCK_IDLE_MS})
         assert s.scalar(IDLE_SETTING) == str(qbt.QBT_LOCK_IDLE_MS)
+
+
+def test_every_session_of_ours_is_bounded_and_a_frozen_one_ends() -> None:
+    """The backstop (`DB_IDLE_IN_TRANSACTION_S`): a business transaction holding a request's row,
+    in a process that froze (an API request in a paused container), is ended by Postgres, and
+    the row is free again; before, a writer of that row (a step's fenced commit) waited for as
+    long as the holder stayed frozen."""
+    if get_settings().db_pooler == "transaction":
+        pytest.skip("behind a transaction pooler PgBouncer's idle_transaction_timeout bounds this")
+    assert SESSION_MS == "60000", "the default"
+    with db.transaction() as s:
+        assert s.scalar(IDLE_SETTING) == SESSION_MS
+    engine = create_engine(get_settings().require_database_url(), poolclass=NullPool)
+    db.bound_idle_transactions(engine, 1000)  # as `db.get_engine` does, with 1 s
+    ref = runs.enqueue("probe", {}, idempotency_key=new_key())
+    lock_run = text("SELECT id FROM engine.task_run WHERE id = :id FOR UPDATE")
+    try:
+        holder = engine.connect()
+        assert holder.execute(lock_run, {"id": ref.task_run_id}).first() is not None  # held, then frozen
+        time.sleep(1.5)
+        with db.transaction() as s:  # within 5 s only if the frozen holder's session has ended
+            s.execute(text("SET LOCAL lock_timeout = '5s'"))
+            assert s.execute(lock_run, {"id": ref.task_run_id}).first() is not None
+        with pytest.raises(DBAPIError) as caught:
+            holder.execute(text("SELECT 1"))
+        assert isinstance(caught.value.orig, psycopg.errors.IdleInTransactionSessionTimeout)
+    finally:
+        engine.dispose()

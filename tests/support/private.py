@@ -360,6 +360,7 @@ class PrivatePgBouncer:
                 f"default_pool_size = {self.pool_size}",
                 "max_client_conn = 1000",
                 "ignore_startup_parameters = extra_float_digits",
+                "idle_transaction_timeout = 60",  # as the README advises behind PgBouncer
                 f"logfile = {self.root / 'pgbouncer.log'}",
                 f"pidfile = {self.root / 'pgbouncer.pid'}",
                 "",

@@ -10,6 +10,7 @@ import pytest
 import torf
 from pydantic import ValidationError
 
+from proj import db
 from proj.acquisition.torrents import BadTorrent, TorrentTooLarge, parse, verify_pieces
 from proj.settings import Settings
 from tests.support.torrents import bencode, multi_file
@@ -113,3 +114,20 @@ def test_a_name_that_is_not_utf8_is_refused_saying_so(multi: bool) -> None:
         parse(bencode({"info": info}))
     assert "not UTF-8" in str(err.value) and "caf\\xe9.bin" in str(err.value), str(err.value)
     assert "unsafe" not in str(err.value)
+
+
+def test_every_session_bounds_its_idle_transactions_but_behind_a_transaction_pooler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`DB_IDLE_IN_TRANSACTION_S` is set on every session of ours, directly or through PgBouncer
+    in session mode; never behind a transaction pooler, whose server connections other clients
+    share (PgBouncer's own setting does it there)."""
+    monkeypatch.delenv("DB_IDLE_IN_TRANSACTION_S", raising=False)
+    for pooler in ("none", "session"):
+        monkeypatch.setenv("DB_POOLER", pooler)
+        assert db.idle_in_transaction_ms(Settings()) == 60_000
+    monkeypatch.setenv("DB_POOLER", "transaction")
+    assert db.idle_in_transaction_ms(Settings()) == 0
+    monkeypatch.setenv("DB_POOLER", "none")
+    monkeypatch.setenv("DB_IDLE_IN_TRANSACTION_S", "0")
+    assert db.idle_in_transaction_ms(Settings()) == 0
