@@ -52,8 +52,9 @@ from proj.engine.store.stages import EndedRun, LockedRun, NextStep
 
 # The commits that take a transaction of several statements (`SUCCEED_AND_LOCK_RUN`,
 # `FAIL_OR_RETRY`, `RETRY_OUTAGE`, `CANCEL_STEP`) lock the step row first. A holder frozen before
-# its COMMIT (SIGSTOP, a paused VM) would keep it locked for as long as it stayed frozen, and the
-# sweeper, which skips locked rows, would never take the step back. So each bounds its
+# its COMMIT (SIGSTOP, a paused VM) would keep it locked past its lease (for as long as it stayed
+# frozen behind a transaction pooler, else up to the session's `DB_IDLE_IN_TRANSACTION_S`), and
+# the sweeper, which skips locked rows, would not take the step back meanwhile. So each bounds its
 # transaction's idle time (`bounded`), as `leases.FENCE` does: Postgres ends a frozen holder's
 # session, and with it the lock and the uncommitted change
 # (`tests/integration/test_idle_bounds.py::test_engine_locks_bound_their_transaction`).

@@ -32,8 +32,9 @@ from proj.engine.store.rows import Known, changed
 
 SWEEP_LOCK = 0x5EE9_0001
 # The sweep's lock is held to its commit, and every other sweep skips or queues behind it. A
-# sweeper frozen inside its transaction (SIGSTOP, a paused VM) would hold it for as long as it
-# stayed frozen, and no lease would be expired anywhere meanwhile, the liveness fast path's
+# sweeper frozen inside its transaction (SIGSTOP, a paused VM) would hold it past any lease (for
+# as long as it stayed frozen behind a transaction pooler, else up to the session's
+# `DB_IDLE_IN_TRANSACTION_S`), and no lease would be expired anywhere meanwhile, the liveness fast path's
 # included (it sweeps behind the lock). So the lock also bounds its transaction's idle time, as
 # `leases.FENCE` does (`idle_in_transaction_session_timeout`, local to the transaction): Postgres
 # ends a frozen sweeper's session, and recovery goes on
