@@ -99,6 +99,21 @@ def pbkdf2_password_hash(password: str, *, salt: bytes | None = None) -> str:
     return f"{base64.b64encode(salt).decode()}:{base64.b64encode(key).decode()}"
 
 
+def _bindable(port: int, host: str = LOOPBACK) -> bool:
+    """Whether `port` (TCP and its UDP twin) can be bound on `host` right now."""
+    try:
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp,
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp,
+        ):
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((host, port))
+            udp.bind((host, port))
+    except OSError:
+        return False
+    return True
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that is free right now (and its UDP twin too, for uTP); racy but retried."""
     for _ in range(50):
@@ -397,6 +412,7 @@ class LocalQbittorrent:
             try:
                 self._launch(timeout)
                 self._verify_preferences()
+                self._wait_listening()
                 return self
             except QbtHarnessError as exc:  # most likely a port taken between pick and bind
                 last = exc
@@ -452,6 +468,24 @@ class LocalQbittorrent:
         except (OSError, ValueError):
             return False
 
+    def _wait_listening(self, timeout: float = 10) -> None:
+        """Fail (and so retry on fresh ports) unless qBittorrent accepts peers on its port.
+
+        Why: a port picked free may be taken before qBittorrent binds it (any process' outgoing
+        connection can be given it), and qBittorrent then runs, answers its API, and reaches no
+        peer; a restarted instance's download stalled so in CI."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((LOOPBACK, self._listen_port), timeout=1),
+            ):
+                return
+            time.sleep(0.2)
+        raise QbtHarnessError(
+            f"not listening on {LOOPBACK}:{self._listen_port}; log tail:\n{self.log_tail()}"
+        )
+
     def _verify_preferences(self) -> None:
         """Fail loudly when the running version ignored a config key we rely on."""
         prefs = self.client().app_preferences()
@@ -499,7 +533,10 @@ class LocalQbittorrent:
                 self._proc.kill()
         self.stop()
         time.sleep(down_s)
-        self._fixed_webui_port, self._fixed_listen_port = self._webui_port, self._listen_port
+        # The Web UI keeps its port (clients name it); the peer port too, unless another process
+        # took it while this one was down: peers are introduced by address each time anyway.
+        listen = self._listen_port if _bindable(self._listen_port) else None
+        self._fixed_webui_port, self._fixed_listen_port = self._webui_port, listen
         self.start(timeout)
 
     def cleanup(self) -> None:

@@ -111,8 +111,10 @@ def test_a_step_row_held_by_a_frozen_commit_is_taken_back_after_the_bound(frozen
     """The failure path locks the step row (`FAIL_OR_RETRY`), then logs the attempt and the run's
     error: a holder frozen in between kept the row locked, and the sweeper, which skips locked
     rows, never expired its lease. Now Postgres ends the holder's session at the bound, and the
-    next sweep takes the step back."""
-    step_id, token = _claimed(ttl=1.0)
+    next sweep takes the step back. The bound here is 4 s, not the tests' 2 s (two thirds of
+    `LEASE_TTL_S=3`), so that a slow machine still looks at the row well inside it."""
+    bound_s = 4.0
+    step_id, token = _claimed(ttl=0.5)
     failed = commits.fail_or_retry(
         frozen_holder,
         step_id=step_id,
@@ -121,15 +123,16 @@ def test_a_step_row_held_by_a_frozen_commit_is_taken_back_after_the_bound(frozen
         budget=5,
         delay=1.0,
         err=_err(),
-        idle_ms=BOUND_MS,
+        idle_ms=int(bound_s * 1000),
     )
     assert failed is not None  # the row is locked, its change uncommitted: the holder "freezes"
     frozen_at = time.monotonic()
-    time.sleep(1.2)  # the lease (1 s) has run out
+    time.sleep(0.8)  # the lease (0.5 s) has run out
     assert not _expired_now(step_id), "the row is locked: the sweep must skip it"
-    wait_for(lambda: _expired_now(step_id), BOUND_MS / 1000 + 5, what="the sweep to take the step back")
+    assert time.monotonic() - frozen_at < bound_s * 0.75, "the machine was too slow to tell"
+    wait_for(lambda: _expired_now(step_id), bound_s + 5, what="the sweep to take the step back")
     taken = time.monotonic() - frozen_at
-    assert taken >= BOUND_MS / 1000 * 0.9, f"taken back after {taken:.1f}s, before the bound"
+    assert taken >= bound_s * 0.9, f"taken back after {taken:.1f}s, before the bound"
     with pytest.raises(DBAPIError) as caught:
         frozen_holder.execute(text("SELECT 1"))
     assert isinstance(caught.value.orig, psycopg.errors.IdleInTransactionSessionTimeout)

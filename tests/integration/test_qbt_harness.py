@@ -106,3 +106,30 @@ def test_seeder_to_managed_transfer_fires_hook(
     while seeder.torrents_info(torrent_hashes=h)[0].uploaded < done.size:
         assert time.monotonic() < deadline, "seeder never accounted the upload"
         time.sleep(0.3)
+
+
+def test_a_restart_keeps_its_web_ui_and_takes_a_new_peer_port_if_its_own_was_taken(
+    qbt_factory: Callable[..., LocalQbittorrent],
+) -> None:
+    """While an instance is down another process may be given its peer port (any outgoing
+    connection can get it). Restarted on it regardless, qBittorrent answered its API and reached
+    no peer: a download stalled so in CI (`test_qbt_review.py::
+    test_a_download_survives_qbittorrent_being_down_while_its_wait_rechecks`). The restart keeps
+    the Web UI's port, which clients name, and listens on a fresh peer port instead."""
+    import socket
+
+    qbt = qbt_factory("restart")
+    webui, listen = qbt.webui_port, qbt.listen_port
+    qbt.stop()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its TIME_WAITs
+        squatter.bind(("127.0.0.1", listen))
+        squatter.listen()
+        qbt.restart()
+        assert qbt.webui_port == webui
+        assert qbt.listen_port != listen
+        with socket.create_connection(("127.0.0.1", qbt.listen_port), timeout=5):
+            pass  # it accepts peers
+    moved = qbt.listen_port
+    qbt.restart()  # nobody took its port meanwhile: both ports kept
+    assert (qbt.webui_port, qbt.listen_port) == (webui, moved)

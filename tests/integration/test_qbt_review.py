@@ -7,6 +7,7 @@ business tables and the engine, never only what a step returned.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -85,6 +86,11 @@ def imported(procs, swarm: Swarm, task_id: uuid.UUID, timeout: float = 60) -> No
         print(dump_engine_state())
         for name in procs.procs:
             print(f"--- {name}\n" + procs.log(name)[-3000:])
+        for side in (swarm.managed, swarm.seeder):  # what each qBittorrent made of the torrent
+            with contextlib.suppress(Exception):
+                t = side.client().torrents_info(torrent_hashes=swarm.payload.infohash)
+                print(f"--- {side.name}: {[(x.state, x.progress, x.num_seeds, x.num_leechs) for x in t]}")
+            print(side.log_tail(20))
         raise
     got = sha256_tree(swarm.library / str(task_id) / swarm.payload.path.name)
     assert got == swarm.payload.digests
