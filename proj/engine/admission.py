@@ -17,9 +17,9 @@ from sqlalchemy.orm import Session
 
 from proj.engine import dispatch
 from proj.engine.dispatch import Dispatch
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.kind import Kind, all_kinds
 from proj.engine.store import admission as store
-from proj.engine.store.leases import idle_bound_ms
 from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def admit(s: Session, slot: store.Slot, gates: list[Gate]) -> tuple[Denial | Non
     """
     kicks: list[Dispatch] = []
     for gate in gates:
-        store.lock_gate(s, gate.lock, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
+        store.lock_gate(s, gate.lock, idle_ms=lock_idle_ms())
         held, mine = holders(s, gate, slot.run_id)
         if mine:
             continue  # a sibling of this run holds the slot already

@@ -24,6 +24,7 @@ from proj.engine.attempts import Carry, Claim, Committed, to_json, worker_id
 from proj.engine.context import PlanContext
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import IdempotencyConflict, InvalidInput, UnknownKind
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.inputs import canonical_input, check_key
 from proj.engine.kind import Kind, StepDef, get_kind
 from proj.engine.port import TaskRunRef
@@ -33,7 +34,6 @@ from proj.engine.store import children as children_store
 from proj.engine.store import commits as commits_store
 from proj.engine.store import stages as store
 from proj.engine.store import waits as waits_store
-from proj.engine.store.leases import idle_bound_ms
 from proj.engine.store.rows import StepRef
 from proj.settings import get_settings
 
@@ -339,7 +339,7 @@ def notify_parent(
     if parent_run_id is None:
         return []
     topic = children_store.finished_topic(run_id)
-    waits_store.lock_topic(s, topic, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
+    waits_store.lock_topic(s, topic, idle_ms=lock_idle_ms())
     waits_store.store_signal(s, topic, json.dumps({"run_id": str(run_id), "status": status}))
     return [
         dispatch.step_dispatch(w.id, w.kind, w.version, w.name, w.priority)

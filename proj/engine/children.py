@@ -29,11 +29,11 @@ from proj.engine.chain import insert_run
 from proj.engine.commits import commit_success
 from proj.engine.context import StepContext
 from proj.engine.errors import BadInput, ChildFailed, ChildRejected
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.kind import ChildSpec, Kind
 from proj.engine.status import TERMINAL, Outcome, RunStatus
 from proj.engine.store import children as store
 from proj.engine.store import waits as waits_store
-from proj.engine.store.leases import idle_bound_ms
 from proj.engine.waiting import park_in
 from proj.settings import get_settings
 
@@ -87,7 +87,7 @@ def run_child(
             topic = store.finished_topic(ref.task_run_id)
             # Under the topic lock a child that finishes meanwhile either is seen finished here or
             # finds this step parked and wakes it (`chain.notify_parent` takes the same lock).
-            waits_store.lock_topic(s, topic, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
+            waits_store.lock_topic(s, topic, idle_ms=lock_idle_ms())
             child = store.child_state(s, ref.task_run_id)
             if not (child.status == RunStatus.CANCELED and child.canceled_by_parent):
                 break

@@ -23,11 +23,10 @@ from proj.engine import chain, tracing
 from proj.engine.attempts import AttemptEnd, Carry, Claim, Committed, error_payload, to_json
 from proj.engine.dispatch import Dispatch
 from proj.engine.errors import LeaseLost, NonRetryable, Unavailable
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.kind import Kind, RetryPolicy
 from proj.engine.status import Outcome, RunStatus, StepStatus
 from proj.engine.store import commits as store
-from proj.engine.store.leases import idle_bound_ms
-from proj.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,9 @@ class InBodyCommit:
 
 
 def _succeed(s: Session, c: Claim, payload: str, carry: Carry | None = None) -> Committed:
-    run = store.succeed_and_lock_run(s, step_id=c.step_id, token=c.token, result=payload, idle_ms=idle_ms())
+    run = store.succeed_and_lock_run(
+        s, step_id=c.step_id, token=c.token, result=payload, idle_ms=lock_idle_ms()
+    )
     if run is None:
         raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, result refused")
     return chain.advance(s, c.run_id, run=run, stage=c.stage, carry=carry)
@@ -115,7 +116,7 @@ def commit_failure(c: Claim, policy: RetryPolicy, exc: BaseException) -> Attempt
             budget=min(c.max_attempts, policy.max_attempts),
             delay=delay,
             err=err,
-            idle_ms=idle_ms(),
+            idle_ms=lock_idle_ms(),
             outage=outage,
         )
         if failed is None:
@@ -136,7 +137,13 @@ def _wait_out(s: Session, c: Claim, policy: RetryPolicy, err: dict[str, Any], de
     (`tests/integration/test_outages.py`). False: the outage outlasted its window (or the lease
     is gone), and the attempt counts like any failure."""
     out = store.retry_outage(
-        s, step_id=c.step_id, token=c.token, delay=delay, window=policy.outage_s, err=err, idle_ms=idle_ms()
+        s,
+        step_id=c.step_id,
+        token=c.token,
+        delay=delay,
+        window=policy.outage_s,
+        err=err,
+        idle_ms=lock_idle_ms(),
     )
     if out is None:
         return False
@@ -150,17 +157,10 @@ def _wait_out(s: Session, c: Claim, policy: RetryPolicy, err: dict[str, Any], de
 def commit_canceled(c: Claim) -> AttemptEnd:
     """The body stopped itself on a cancel request: close the step, then finish the cancel."""
     with db.transaction() as s:
-        if not store.cancel_step(s, step_id=c.step_id, token=c.token, idle_ms=idle_ms()):
+        if not store.cancel_step(s, step_id=c.step_id, token=c.token, idle_ms=lock_idle_ms()):
             raise LeaseLost(f"step {c.step_id}: lease lost, cancel not recorded")
         close_attempt(s, c, Outcome.CANCELED)
         return AttemptEnd(Outcome.CANCELED, chain.finalize_cancel(s, c.run_id))
-
-
-def idle_ms() -> int:
-    """How long a commit's transaction may sit idle once it holds the step row: less than the
-    lease, so a holder frozen before its COMMIT loses the row before its lease runs out
-    (`proj.engine.store.commits`: the statements that take the row bound it)."""
-    return idle_bound_ms(get_settings().lease_ttl_s)
 
 
 def commit_or_refuse(commit: Callable[P, AttemptEnd], *args: P.args, **kwargs: P.kwargs) -> AttemptEnd:
@@ -184,7 +184,14 @@ def commit_deadline(c: Claim, exc: BaseException) -> AttemptEnd:
     err = error_payload(exc)
     with db.transaction() as s:
         failed = store.fail_or_retry(
-            s, step_id=c.step_id, token=c.token, final=True, budget=0, delay=0.0, err=err, idle_ms=idle_ms()
+            s,
+            step_id=c.step_id,
+            token=c.token,
+            final=True,
+            budget=0,
+            delay=0.0,
+            err=err,
+            idle_ms=lock_idle_ms(),
         )
         if failed is None:
             raise LeaseLost(f"step {c.step_id} attempt {c.attempt}: lease lost, deadline not recorded")

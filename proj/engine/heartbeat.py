@@ -21,6 +21,13 @@ from proj.settings import get_settings
 log = logging.getLogger(__name__)
 
 
+def lock_idle_ms() -> int:
+    """How long a transaction holding engine locks may sit idle, set by the statement that takes
+    them: two thirds of the lease (`store.idle_bound_ms`), so a holder frozen inside one loses
+    its locks before its lease runs out (`tests/integration/test_idle_bounds.py`)."""
+    return store.idle_bound_ms(get_settings().lease_ttl_s)
+
+
 @dataclass
 class Lease:
     """What a running attempt knows about its lease; flags are set by the heartbeat thread."""

@@ -20,6 +20,7 @@ from proj.engine import dispatch
 from proj.engine.chain import ask_cancel, finalize_cancel, insert_run, insert_runs
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import InvalidInput, PayloadTooLarge, RunCanceled, RunFailed
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.inputs import (
     MAX_KEY_LEN,
     MAX_TOPIC_LEN,
@@ -37,7 +38,6 @@ from proj.engine.store import cancels as cancels_store
 from proj.engine.store import children as children_store
 from proj.engine.store import runs as store_runs
 from proj.engine.store import waits
-from proj.engine.store.leases import idle_bound_ms
 from proj.engine.store.waits import Woken
 from proj.settings import get_settings, libpq_url
 
@@ -179,7 +179,7 @@ def signal(topic: str, payload: Any = None) -> int:
     if len(body) > get_settings().max_input_bytes:
         raise PayloadTooLarge("signal payload too large")
     with db.transaction() as s:
-        waits.lock_topic(s, topic, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
+        waits.lock_topic(s, topic, idle_ms=lock_idle_ms())
         waits.store_signal(s, topic, body)
         out = woken_dispatches(waits.wake_topic(s, topic))
     # Many waiters on one topic travel WAKE_BATCH to a message (`dispatch.batched`).

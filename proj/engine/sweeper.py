@@ -36,6 +36,7 @@ from proj.engine.chain import expire_run, finalize_cancel, if_served, request_ca
 from proj.engine.commits import fail_run
 from proj.engine.dispatch import Dispatch, step_dispatch
 from proj.engine.errors import UnknownKind
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.kind import all_kinds, get_kind
 from proj.engine.liveness import on_dead_owners
 from proj.engine.runs import woken_dispatches
@@ -43,7 +44,6 @@ from proj.engine.status import StepStatus
 from proj.engine.store import children as children_store
 from proj.engine.store import recovery as store
 from proj.engine.store import stats, waits
-from proj.engine.store.leases import idle_bound_ms
 from proj.engine.store.rows import Known
 from proj.settings import get_settings
 
@@ -73,7 +73,7 @@ def sweep(*, wait: bool = False) -> SweepReport:
     """
     report = SweepReport()
     settings = get_settings()
-    idle_ms = idle_bound_ms(settings.lease_ttl_s)  # a sweeper frozen holding the lock loses it
+    idle_ms = lock_idle_ms()  # a sweeper frozen holding the lock loses it
     with db.transaction() as s:
         if wait:
             store.lock_sweep(s, idle_ms=idle_ms)

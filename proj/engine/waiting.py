@@ -15,12 +15,11 @@ from proj.engine.attempts import AttemptEnd, Carry, Claim
 from proj.engine.commits import close_attempt, commit_success
 from proj.engine.context import StepContext
 from proj.engine.errors import BadTopic, LeaseLost, NonRetryable
+from proj.engine.heartbeat import lock_idle_ms
 from proj.engine.inputs import check_topic
 from proj.engine.kind import Kind, WaitSpec
 from proj.engine.status import Outcome
 from proj.engine.store import waits as store
-from proj.engine.store.leases import idle_bound_ms
-from proj.settings import get_settings
 
 
 def run_wait(
@@ -92,7 +91,7 @@ def park(
     business rows, which a signal follows in a later transaction, so `since` is sound there.
     """
     with db.transaction() as s:
-        store.lock_topic(s, topic, idle_ms=idle_bound_ms(get_settings().lease_ttl_s))
+        store.lock_topic(s, topic, idle_ms=lock_idle_ms())
         raced = store.any_signal(s, topic) if any_signal else store.signal_since(s, topic, c.claimed_at)
         if park_in(s, c, topic, raced=raced, timeout_s=timeout_s, until=until):
             return AttemptEnd(
